@@ -1,0 +1,79 @@
+"""Engine configuration, validated up front (vLLM: ``vllm/config/scheduler.py``, ``vllm/config/cache.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+@dataclass
+class CacheConfig:
+    """The paged KV cache.
+
+    Args:
+        block_size: tokens per KV block (vLLM default 16).
+        num_gpu_blocks: number of blocks. ``None``: as many as fit in ``kv_cache_memory_bytes``. The name is
+            vLLM's (``num_gpu_blocks_override`` sets it there) even when the cache lives in CPU memory.
+        kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``
+            (default 1 GiB; vLLM's CPU backend takes the same from ``VLLM_CPU_KVCACHE_SPACE``).
+        enable_prefix_caching: reuse cached full blocks across requests (vLLM's default: on).
+    """
+
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    enable_prefix_caching: bool = True
+
+    def verify(self) -> None:
+        if not isinstance(self.block_size, int) or self.block_size < 1:
+            raise ValueError(f"block_size must be a positive int, got {self.block_size!r}")
+        if self.num_gpu_blocks is not None and (not isinstance(self.num_gpu_blocks, int) or self.num_gpu_blocks < 1):
+            raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks!r}")
+        if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
+            raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}")
+
+
+@dataclass
+class SchedulerConfig:
+    """Scheduling limits (names and defaults as in vLLM's ``SchedulerConfig``).
+
+    Args:
+        max_num_batched_tokens: the token budget of one step, in tokens.
+        max_num_seqs: running requests at most.
+        max_model_len: tokens (prompt + output) per request at most.
+        enable_chunked_prefill: a prompt may be split over several steps. When off, every prompt must fit in
+            one step's budget, so ``max_num_batched_tokens >= max_model_len`` is required.
+        long_prefill_token_threshold: cap on one request's tokens per step (0 = off).
+        policy: ``"fcfs"`` or ``"priority"``.
+
+    Raises:
+        ValueError: naming the parameter and the limit it breaks.
+    """
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 256
+    max_model_len: int = 2048
+    enable_chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    policy: str = "fcfs"
+
+    def verify(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive int, got {v!r}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_num_seqs "
+                f"({self.max_num_seqs}): every running request needs at least one token per step"
+            )
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) is smaller than max_model_len "
+                f"({self.max_model_len}) with enable_chunked_prefill=False: a long prompt could never be "
+                "scheduled. Enable chunked prefill or raise max_num_batched_tokens."
+            )
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
+        if self.policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")

@@ -1,0 +1,192 @@
+"""Per-request block tables on top of the block pool (vLLM: ``vllm/v1/core/kv_cache_manager.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+from minivllm.core.block_pool import BlockPool
+from minivllm.core.kv_cache_utils import KVCacheBlock
+
+if TYPE_CHECKING:
+    from minivllm.request import Request
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for ``a`` tokens at ``b`` tokens per block."""
+    return -(-a // b)
+
+
+@dataclass
+class PrefixCacheStats:
+    """Prefix-cache counters, in tokens (vLLM ``PrefixCacheStats``). Counted once per admission."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.queries if self.queries else 0.0
+
+
+class KVCacheManager:
+    """Allocates and frees the KV blocks of requests; finds prefix-cache hits.
+
+    Each request owns a list of blocks, its *block table*: token at position ``p`` lives in block
+    ``blocks[p // block_size]`` at offset ``p % block_size``. Blocks are appended as the request grows and all
+    freed together when it finishes or is preempted.
+
+    Args:
+        num_gpu_blocks: blocks in the pool.
+        block_size: tokens per block.
+        max_model_len: tokens per request at most; no slot is reserved past it.
+        enable_caching: prefix caching on or off.
+    """
+
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.enable_caching = enable_caching
+        self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
+        self.req_to_blocks: Dict[str, List[KVCacheBlock]] = {}
+        self.num_cached_block: Dict[str, int] = {}
+        self.prefix_cache_stats = PrefixCacheStats()
+
+    # -- prefix cache -------------------------------------------------------------------------------------
+    def get_computed_blocks(self, request: "Request") -> Tuple[List[KVCacheBlock], int]:
+        """Longest run of cached full blocks at the start of the request (vLLM ``get_computed_blocks``).
+
+        Walks ``request.block_hashes`` from the first block and stops at the first miss: hashes are chained, so
+        every later block would miss too. At most ``(num_tokens - 1) // block_size`` blocks are returned, so at
+        least the last token is always computed: its logits are needed to sample the next token. A prompt that is
+        an exact multiple of ``block_size`` and fully cached therefore recomputes its whole last block.
+
+        Returns:
+            ``(blocks, num_computed_tokens)`` with ``num_computed_tokens == len(blocks) * block_size``. Nothing
+            is modified; the caller passes the blocks to ``allocate_slots``, which takes the references.
+        """
+        if not self.enable_caching:
+            return [], 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: List[KVCacheBlock] = []
+        for h in request.block_hashes[:max_blocks]:
+            b = self.block_pool.get_cached_block(h)
+            if b is None:
+                break
+            hits.append(b)
+        return hits, len(hits) * self.block_size
+
+    def record_prefix_cache_query(self, request: "Request", num_hit_tokens: int) -> None:
+        """Count one admission's lookup in ``prefix_cache_stats`` (queries and hits in tokens)."""
+        if not self.enable_caching:
+            return
+        s = self.prefix_cache_stats
+        if request.num_preemptions > 0:
+            s.preempted_requests += 1
+            s.preempted_queries += request.num_tokens
+            s.preempted_hits += num_hit_tokens
+        else:
+            s.requests += 1
+            s.queries += request.num_tokens
+            s.hits += num_hit_tokens
+
+    # -- allocation ---------------------------------------------------------------------------------------
+    def num_blocks_to_admit(self, request: "Request", new_computed_blocks: Sequence[KVCacheBlock] = ()) -> int:
+        """Free blocks a waiting request needs for its *whole* current sequence, hits counted.
+
+        vLLM's admission gate (``full_sequence_must_fit``, ``scheduler_reserve_full_isl=True``): a request is
+        admitted only if all of its known tokens would fit, so a chunked prefill never starts and then starves.
+        """
+        total = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return max(total - held - len(new_computed_blocks), 0) + evictable_hits
+
+    def allocate_slots(
+        self,
+        request: "Request",
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Optional[Sequence[KVCacheBlock]] = None,
+        num_lookahead_tokens: int = 0,
+        full_sequence_must_fit: bool = False,
+        delay_cache_blocks: bool = False,
+    ) -> Optional[List[KVCacheBlock]]:
+        """Make room for ``num_new_tokens`` more tokens of ``request`` (vLLM ``KVCacheManager.allocate_slots``).
+
+        Args:
+            request: the request; ``request.num_computed_tokens`` tokens already have slots.
+            num_new_tokens: tokens to compute this step.
+            num_new_computed_tokens: tokens served by prefix-cache hits (``new_computed_blocks``) or a KV
+                connector, on top of ``request.num_computed_tokens``.
+            new_computed_blocks: prefix-cache hit blocks from ``get_computed_blocks``; referenced here.
+            num_lookahead_tokens: extra slots to reserve (speculative decoding; 0 in minivllm).
+            full_sequence_must_fit: the admission gate (see ``num_blocks_to_admit``).
+            delay_cache_blocks: do not hash the new blocks yet (their KV is still being loaded).
+
+        Returns:
+            The newly allocated blocks (possibly an empty list), or ``None`` if not enough blocks are free, in
+            which case nothing at all was changed.
+        """
+        new_computed_blocks = list(new_computed_blocks or [])
+        if full_sequence_must_fit and self.num_blocks_to_admit(request, new_computed_blocks) > self.block_pool.get_num_free_blocks():
+            return None
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
+        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(new_computed_blocks), 0)
+        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+            if not req_blocks:
+                del self.req_to_blocks[request.request_id]
+            return None
+        if new_computed_blocks:
+            self.block_pool.touch(new_computed_blocks)
+            req_blocks.extend(new_computed_blocks)
+            self.num_cached_block[request.request_id] = len(req_blocks)
+        new_blocks = self.block_pool.get_new_blocks(num_new_blocks)
+        req_blocks.extend(new_blocks)
+        if self.enable_caching and not delay_cache_blocks:
+            self.cache_blocks(request, min(total_computed + num_new_tokens, request.num_tokens))
+        return new_blocks
+
+    def cache_blocks(self, request: "Request", num_computed_tokens: int) -> None:
+        """Index every block of ``request`` that is full once ``num_computed_tokens`` tokens are computed."""
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        num_full = min(num_computed_tokens // self.block_size, len(request.block_hashes))
+        done = self.num_cached_block.get(rid, 0)
+        if num_full > done:
+            self.block_pool.cache_full_blocks(request, self.req_to_blocks[rid], done, num_full)
+            self.num_cached_block[rid] = num_full
+
+    def free(self, request: "Request") -> None:
+        """Return all of the request's blocks to the pool, last block first (vLLM frees in reverse order)."""
+        blocks = self.req_to_blocks.pop(request.request_id, [])
+        self.num_cached_block.pop(request.request_id, None)
+        self.block_pool.free_blocks(reversed(blocks))
+
+    # -- views --------------------------------------------------------------------------------------------
+    def get_blocks(self, request_id: str) -> List[KVCacheBlock]:
+        return self.req_to_blocks.get(request_id, [])
+
+    def get_block_ids(self, request_id: str) -> List[int]:
+        """The request's block table as block ids, in position order."""
+        return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.block_pool.get_num_free_blocks()
+
+    @property
+    def usage(self) -> float:
+        return self.block_pool.get_usage()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached hashes; only succeeds when no request holds blocks. Returns success."""
+        return self.block_pool.reset_prefix_cache()

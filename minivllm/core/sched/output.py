@@ -1,0 +1,81 @@
+"""What the scheduler hands the model runner each step (vLLM: ``vllm/v1/core/sched/output.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequestData:
+    """A request the model runner has not seen (or must rebuild): sent with its full prompt and block table."""
+
+    req_id: str
+    prompt_token_ids: List[int]
+    sampling_params: SamplingParams
+    block_ids: List[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequestData:
+    """Requests the runner already holds state for: only what changed since the last step.
+
+    ``resumed_req_ids`` are requests coming back after preemption: for them ``new_block_ids`` is the *whole*
+    new block table and ``all_token_ids`` carries prompt + outputs so far (vLLM sends the same).
+    """
+
+    req_ids: List[str] = field(default_factory=list)
+    resumed_req_ids: Set[str] = field(default_factory=set)
+    new_block_ids: List[List[int]] = field(default_factory=list)
+    num_computed_tokens: List[int] = field(default_factory=list)
+    all_token_ids: Dict[str, List[int]] = field(default_factory=dict)
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    """One step's schedule.
+
+    Attributes:
+        scheduled_new_reqs: requests admitted from the waiting queue for the first time.
+        scheduled_cached_reqs: running requests (prefill chunks and decodes) and resumed ones.
+        num_scheduled_tokens: ``req_id -> tokens computed this step`` (a chunk size, or 1 for a decode).
+        total_num_scheduled_tokens: their sum, never more than ``max_num_batched_tokens``.
+        finished_req_ids: requests that finished or were aborted since the previous step (the runner drops
+            their state).
+        preempted_req_ids: requests preempted in this step.
+        kv_connector_metadata: what the KV connector's worker side must do this step (or ``None``).
+    """
+
+    scheduled_new_reqs: List[NewRequestData]
+    scheduled_cached_reqs: CachedRequestData
+    num_scheduled_tokens: Dict[str, int]
+    total_num_scheduled_tokens: int
+    finished_req_ids: Set[str]
+    preempted_req_ids: Set[str]
+    kv_connector_metadata: Optional[Any] = None
+
+    @property
+    def scheduled_req_ids(self) -> List[str]:
+        return list(self.num_scheduled_tokens)
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns (vLLM ``vllm/v1/outputs.py``).
+
+    ``sampled_token_ids[i]`` is ``[token]`` for request ``req_ids[i]``, or ``[]`` when that request's step was a
+    partial prefill: a token *was* sampled from its last position, then discarded.
+    """
+
+    req_ids: List[str]
+    req_id_to_index: Dict[str, int]
+    sampled_token_ids: List[List[int]]
+    finished_recving: Optional[Set[str]] = None
+    finished_sending: Optional[Set[str]] = None

@@ -1,0 +1,396 @@
+"""The V1-style scheduler (vLLM: ``vllm/v1/core/sched/scheduler.py``).
+
+There are no prefill and decode phases. Each step the scheduler hands out one token budget
+(``max_num_batched_tokens``): first to the running requests in order (each wants
+``num_tokens - num_computed_tokens`` tokens: a prefill chunk or one decode token), then, only if no running
+request had to be preempted in this step, to waiting requests in queue order.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
+
+from minivllm.config import SchedulerConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from minivllm.core.sched.request_queue import create_request_queue
+from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.distributed.kv_transfer.base import KVConnectorBase
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after one step (vLLM ``vllm/v1/engine/__init__.py``)."""
+
+    request_id: str
+    new_token_ids: List[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+
+@dataclass
+class SchedulerStats:
+    """Counters of a whole run."""
+
+    num_steps: int = 0
+    num_preemptions: int = 0
+    num_scheduled_tokens: int = 0
+    num_generated_tokens: int = 0
+    preempted_per_step: List[int] = field(default_factory=list)
+
+
+def check_stop(request: Request, max_model_len: int) -> bool:
+    """Finish ``request`` if its last token ends it (vLLM ``vllm/v1/core/sched/utils.py:check_stop``).
+
+    The length check comes first, as in vLLM: an EOS sampled as the last allowed token finishes the request
+    with reason ``"length"``. ``min_tokens`` needs no check here: the sampler never lets EOS or a stop token
+    through before ``min_tokens`` tokens exist. Stop *strings* are checked by the detokenizer.
+    """
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        return True
+    sp = request.sampling_params
+    last = request.output_token_ids[-1]
+    if not sp.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
+        request.status = RequestStatus.FINISHED_STOPPED
+        return True
+    if last in sp.stop_token_ids:
+        request.status = RequestStatus.FINISHED_STOPPED
+        request.stop_reason = last
+        return True
+    return False
+
+
+class Scheduler:
+    """Decides, each step, which requests compute how many tokens.
+
+    Args:
+        scheduler_config: budget, ``max_num_seqs``, chunking, policy, ``max_model_len``.
+        kv_cache_manager: block allocation and prefix-cache lookups.
+        connector: optional KV connector (scheduler side); see ``minivllm.distributed.kv_transfer``.
+
+    Attributes:
+        waiting: the waiting queue (FCFS deque or priority heap); preempted requests go back here.
+        running: running requests in admission order; preemption takes victims from the end (FCFS).
+        requests: every unfinished request by id.
+        finished_req_ids: ids finished since the last ``schedule()``, sent to the model runner to drop.
+    """
+
+    def __init__(
+        self,
+        scheduler_config: SchedulerConfig,
+        kv_cache_manager: KVCacheManager,
+        connector: Optional["KVConnectorBase"] = None,
+    ) -> None:
+        self.config = scheduler_config
+        self.kv_cache_manager = kv_cache_manager
+        self.block_size = kv_cache_manager.block_size
+        self.max_model_len = scheduler_config.max_model_len
+        self.connector = connector
+        self.policy = scheduler_config.policy
+        self.waiting = create_request_queue(self.policy)
+        self.running: List[Request] = []
+        self.requests: Dict[str, Request] = {}
+        self.finished_req_ids: Set[str] = set()
+        self.finished_recving_kv_req_ids: Set[str] = set()
+        self.stats = SchedulerStats()
+
+    # ---------------------------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        """Queue a validated request (the engine validates; see ``LLMEngine.add_request``)."""
+        self.waiting.add_request(request)
+        self.requests[request.request_id] = request
+
+    def has_unfinished_requests(self) -> bool:
+        return len(self.waiting) > 0 or len(self.running) > 0
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # ---------------------------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        """Build one step's ``SchedulerOutput`` (vLLM ``Scheduler.schedule``).
+
+        1. Running loop: each running request, in order, gets ``min(num_tokens - num_computed_tokens,
+           long_prefill_token_threshold, remaining budget)`` tokens. If its blocks cannot be allocated, the
+           scheduler preempts a victim (FCFS: the last running request; priority: the worst one) and retries,
+           until it fits or the request has preempted itself.
+        2. Waiting loop, *only if nobody was preempted in this step*: admit requests in queue order while budget,
+           ``max_num_seqs`` and blocks allow. The first request that does not fit stops the loop (no
+           overtaking). A waiting request is admitted only if blocks for its whole current sequence are free.
+        3. ``num_computed_tokens`` of every scheduled request is advanced now, at schedule time.
+
+        The assertions at the end (budget and ``max_num_seqs`` never exceeded) are the invariants vLLM asserts.
+        """
+        cfg = self.config
+        token_budget = cfg.max_num_batched_tokens
+        num_scheduled_tokens: Dict[str, int] = {}
+        new_reqs: List[Request] = []
+        resumed_reqs: List[Request] = []
+        running_scheduled: List[Request] = []
+        new_block_ids: Dict[str, List[int]] = {}
+        preempted_reqs: List[Request] = []
+        threshold = cfg.long_prefill_token_threshold
+        if len(self.running) + len(self.waiting) <= 1:
+            threshold = 0  # vLLM 0.33: the per-request cap is pointless when only one request is eligible
+
+        # 1. running requests ----------------------------------------------------------------------------
+        i = 0
+        while i < len(self.running) and token_budget > 0:
+            request = self.running[i]
+            n = request.num_tokens - request.num_computed_tokens
+            if 0 < threshold < n:
+                n = threshold
+            n = min(n, token_budget, self.max_model_len - 1 - request.num_computed_tokens)
+            if n <= 0:
+                i += 1
+                continue
+            while True:
+                new_blocks = self.kv_cache_manager.allocate_slots(request, n)
+                if new_blocks is not None:
+                    break
+                victim = self._pick_victim()
+                victim_index = self.running.index(victim)
+                del self.running[victim_index]
+                if victim_index < i:  # priority: the victim was already visited in this step
+                    i -= 1
+                if victim.request_id in num_scheduled_tokens:
+                    token_budget += num_scheduled_tokens.pop(victim.request_id)
+                    new_block_ids.pop(victim.request_id, None)
+                    running_scheduled.remove(victim)
+                self._preempt_request(victim)
+                preempted_reqs.append(victim)
+                if victim is request:
+                    break
+            if new_blocks is None:
+                if self.policy == "priority":
+                    continue  # self-preempted; requests behind it may still fit
+                break
+            running_scheduled.append(request)
+            num_scheduled_tokens[request.request_id] = n
+            new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
+            token_budget -= n
+            i += 1
+
+        # 2. waiting requests: only in a step that preempted nobody ----------------------------------------
+        skipped: List[Request] = []
+        if not preempted_reqs:
+            while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
+                request = self.waiting.peek_request()
+                if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    if not self._update_waiting_for_remote_kv(request):
+                        skipped.append(self.waiting.pop_request())
+                        continue
+                num_external, load_async = 0, False
+                if request.num_computed_tokens == 0:
+                    hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                    if self.connector is not None:
+                        ext = self.connector.get_num_new_matched_tokens(request, num_local)
+                        if ext[0] is None:  # the connector cannot tell yet: ask again next step
+                            skipped.append(self.waiting.pop_request())
+                            continue
+                        num_external, load_async = ext
+                else:  # its KV was loaded by an async connector load
+                    hit_blocks, num_local = [], 0
+                num_computed = request.num_computed_tokens + num_local + num_external
+                n = 0 if load_async else request.num_tokens - num_computed
+                if 0 < threshold < n:
+                    n = threshold
+                if not cfg.enable_chunked_prefill and n > token_budget:
+                    break  # strict FCFS: nothing overtakes a prompt that does not fit this step
+                n = min(n, token_budget)
+                new_blocks = self.kv_cache_manager.allocate_slots(
+                    request,
+                    n,
+                    num_new_computed_tokens=num_local + num_external,
+                    new_computed_blocks=hit_blocks,
+                    full_sequence_must_fit=True,
+                    delay_cache_blocks=load_async,
+                )
+                if new_blocks is None:
+                    break  # waiting requests never preempt; the queue head waits for blocks
+                if request.num_computed_tokens == 0:
+                    self.kv_cache_manager.record_prefix_cache_query(request, num_local)
+                if self.connector is not None:
+                    self.connector.update_state_after_alloc(
+                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external
+                    )
+                self.waiting.pop_request()
+                if load_async:
+                    request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    request.num_computed_tokens = num_computed
+                    skipped.append(request)
+                    continue
+                self.running.append(request)
+                if request.status == RequestStatus.PREEMPTED:
+                    resumed_reqs.append(request)
+                else:
+                    new_reqs.append(request)
+                request.status = RequestStatus.RUNNING
+                if request.num_cached_tokens < 0:
+                    request.num_cached_tokens = num_local + num_external
+                request.num_computed_tokens = num_computed
+                request.num_external_computed_tokens = num_external
+                num_scheduled_tokens[request.request_id] = n
+                new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
+                token_budget -= n
+        if skipped:
+            self.waiting.prepend_requests(skipped)
+
+        total = sum(num_scheduled_tokens.values())
+        assert total <= cfg.max_num_batched_tokens, (total, cfg.max_num_batched_tokens)
+        assert len(self.running) <= cfg.max_num_seqs
+        assert len(running_scheduled) + len(new_reqs) + len(resumed_reqs) == len(num_scheduled_tokens)
+
+        # 3. the output ---------------------------------------------------------------------------------
+        cached = CachedRequestData()
+        for r in running_scheduled + resumed_reqs:
+            cached.req_ids.append(r.request_id)
+            cached.new_block_ids.append(new_block_ids[r.request_id])
+            cached.num_computed_tokens.append(r.num_computed_tokens)
+            if r in resumed_reqs:
+                cached.resumed_req_ids.add(r.request_id)
+                cached.all_token_ids[r.request_id] = list(r.all_token_ids)
+        output = SchedulerOutput(
+            scheduled_new_reqs=[
+                NewRequestData(
+                    r.request_id,
+                    list(r.all_token_ids),
+                    r.sampling_params,
+                    new_block_ids[r.request_id],
+                    r.num_computed_tokens,
+                )
+                for r in new_reqs
+            ],
+            scheduled_cached_reqs=cached,
+            num_scheduled_tokens=num_scheduled_tokens,
+            total_num_scheduled_tokens=total,
+            finished_req_ids=self.finished_req_ids,
+            preempted_req_ids={r.request_id for r in preempted_reqs},
+        )
+        if self.connector is not None:
+            # Once per schedule() call, even when nothing was scheduled (vLLM scheduler.py, build_connector_meta).
+            output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        self._update_after_schedule(output)
+        self.stats.num_steps += 1
+        self.stats.num_preemptions += len(preempted_reqs)
+        self.stats.num_scheduled_tokens += total
+        self.stats.preempted_per_step.append(len(preempted_reqs))
+        return output
+
+    def _pick_victim(self) -> Request:
+        if self.policy == "priority":
+            return max(self.running, key=lambda r: (r.priority, r.arrival_time))
+        return self.running[-1]
+
+    def _preempt_request(self, request: Request) -> None:
+        """Preemption by recompute (vLLM ``Scheduler._preempt_request``).
+
+        Frees all blocks, resets ``num_computed_tokens`` to 0 and puts the request at the front of the waiting
+        queue (FCFS; priority re-inserts it by priority). Its prompt *and generated tokens* are kept: on
+        re-admission all of them are prefilled again (prefix-cache hits can skip full blocks still cached).
+        """
+        self.kv_cache_manager.free(request)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.is_prefill_chunk = False
+        request.num_preemptions += 1
+        self.waiting.prepend_request(request)
+
+    def _update_after_schedule(self, output: SchedulerOutput) -> None:
+        # Advance now, so the next schedule() could already give the next chunk (vLLM does the same).
+        for req_id, n in output.num_scheduled_tokens.items():
+            r = self.requests[req_id]
+            r.num_computed_tokens += n
+            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
+        self.finished_req_ids = set()
+
+    def _update_waiting_for_remote_kv(self, request: Request) -> bool:
+        """True once an async connector load of ``request`` has finished; then it is schedulable again."""
+        if request.request_id not in self.finished_recving_kv_req_ids:
+            return False
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        self.kv_cache_manager.cache_blocks(request, request.num_computed_tokens)
+        request.status = RequestStatus.PREEMPTED if request.num_preemptions > 0 else RequestStatus.WAITING
+        if request.num_computed_tokens >= request.num_tokens:
+            request.num_computed_tokens = request.num_tokens - 1  # recompute one token to get its logits
+        return True
+
+    # ---------------------------------------------------------------------------------------------------------
+    def update_from_output(
+        self, scheduler_output: SchedulerOutput, model_runner_output: ModelRunnerOutput
+    ) -> List[EngineCoreOutput]:
+        """Append sampled tokens, check stop conditions, free finished requests (vLLM ``update_from_output``).
+
+        A request whose step was a partial prefill got ``[]``: nothing is appended, nothing is emitted, and
+        ``num_computed_tokens`` (already advanced at schedule time) stays as it is.
+        """
+        outputs: List[EngineCoreOutput] = []
+        stopped: List[Request] = []
+        sampled = model_runner_output.sampled_token_ids
+        for req_id in scheduler_output.num_scheduled_tokens:
+            request = self.requests.get(req_id)
+            if request is None or request.is_finished():
+                continue  # aborted while the step ran
+            new_ids = sampled[model_runner_output.req_id_to_index[req_id]]
+            done = False
+            kept: List[int] = []
+            for tok in new_ids:
+                request.append_output_token_ids([tok])
+                kept.append(tok)
+                self.stats.num_generated_tokens += 1
+                if check_stop(request, self.max_model_len):
+                    done = True
+                    break
+            if done:
+                stopped.append(request)
+                self._free_request(request)
+            if kept or done:
+                outputs.append(EngineCoreOutput(req_id, kept, request.get_finished_reason(), request.stop_reason))
+        if stopped:
+            ids = {id(r) for r in stopped}
+            self.running = [r for r in self.running if id(r) not in ids]
+        if model_runner_output.finished_recving:
+            self.finished_recving_kv_req_ids |= set(model_runner_output.finished_recving)
+        return outputs
+
+    def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> List[Request]:
+        """Finish requests from outside the step (abort, stop string). Unknown or finished ids are ignored.
+
+        Returns the requests that were finished here; their blocks are back in the pool on return.
+        """
+        done = []
+        for rid in list(request_ids):
+            request = self.requests.get(rid)
+            if request is None or request.is_finished():
+                continue
+            if request.status == RequestStatus.RUNNING:
+                self.running.remove(request)
+            else:
+                self.waiting.remove_requests([request])
+            request.status = finished_status
+            self._free_request(request)
+            done.append(request)
+        return done
+
+    def _free_request(self, request: Request) -> None:
+        if self.connector is not None:
+            self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
+        self.kv_cache_manager.free(request)
+        self.finished_req_ids.add(request.request_id)
+        self.finished_recving_kv_req_ids.discard(request.request_id)
+        del self.requests[request.request_id]
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget all prefix-cache hashes; only possible while no request holds blocks."""
+        return self.kv_cache_manager.reset_prefix_cache()
+
+    def queue_snapshot(self) -> Tuple[List[str], List[str]]:
+        """``(waiting ids in queue order, running ids in order)``."""
+        return [r.request_id for r in self.waiting], [r.request_id for r in self.running]

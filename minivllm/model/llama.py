@@ -1,0 +1,218 @@
+"""A Llama-architecture decoder on a flattened batch (vLLM: ``vllm/model_executor/models/llama.py``).
+
+The model sees no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all requests of a
+step concatenated, and attention finds each request's tokens through ``AttentionMetadata``. Weights follow vLLM's
+fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` stacks gate and up.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from minivllm.attention.paged_attention import (
+    AttentionMetadata,
+    paged_attention,
+    reference_paged_attention,
+    write_kv_cache,
+)
+
+
+@dataclass
+class LlamaConfig:
+    """Hyper-parameters (names as in Hugging Face's ``LlamaConfig``)."""
+
+    vocab_size: int = 49152
+    hidden_size: int = 576
+    intermediate_size: int = 1536
+    num_hidden_layers: int = 30
+    num_attention_heads: int = 9
+    num_key_value_heads: int = 3
+    head_dim: Optional[int] = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 100000.0
+    max_position_embeddings: int = 8192
+    tie_word_embeddings: bool = True
+    bos_token_id: Optional[int] = 1
+    eos_token_id: Optional[int] = 2
+    name: str = "llama"
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_attention_heads
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_key_value_heads})"
+            )
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * torch.finfo(dtype).bits // 8
+
+
+class RMSNorm(nn.Module):
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019)."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (x * self.weight.float()).to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, half-split ("NeoX") style as in Hugging Face Llama (Su et al. 2021).
+
+    ``cos_sin_cache`` holds ``cos`` and ``sin`` for every position up to ``max_position``, so a token's rotation
+    depends only on its absolute position: a prefill chunk needs nothing from earlier chunks to rotate its q/k.
+    """
+
+    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        t = torch.arange(max_position, dtype=torch.float64)
+        freqs = torch.outer(t, inv_freq)
+        # Plain attributes, not buffers: model.to(bfloat16) must not round the angles (they stay float32).
+        self.cos_cache = freqs.cos().float()
+        self.sin_cache = freqs.sin().float()
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
+        if self.cos_cache.device != positions.device:
+            self.cos_cache = self.cos_cache.to(positions.device)
+            self.sin_cache = self.sin_cache.to(positions.device)
+        cos = self.cos_cache[positions].unsqueeze(1)
+        sin = self.sin_cache[positions].unsqueeze(1)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+
+class LlamaAttention(nn.Module):
+    """Grouped-query self-attention over the paged KV cache."""
+
+    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.q_size = self.num_heads * self.head_dim
+        self.kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        self.backend = backend
+        self.rotary_emb: Optional[RotaryEmbedding] = None  # shared, set by LlamaModel
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
+        t = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb(positions, q, k)
+        write_kv_cache(k, v, kv_cache, md.slot_mapping)
+        if self.backend == "reference":
+            o = reference_paged_attention(q, kv_cache, md, self.scale)
+        else:
+            o = paged_attention(q, k, v, kv_cache, md, self.scale)
+        return self.o_proj(o.reshape(t, self.q_size))
+
+
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        self.intermediate_size = config.intermediate_size
+        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class LlamaDecoderLayer(nn.Module):
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config, backend)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = LlamaMLP(config)
+
+    def forward(self, positions, hidden, kv_cache, md):
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
+        for layer in self.layers:
+            layer.self_attn.rotary_emb = self.rotary_emb
+
+
+class LlamaForCausalLM(nn.Module):
+    """The decoder plus the LM head (tied to the embedding when ``tie_word_embeddings``).
+
+    ``forward`` returns hidden states for *every* token; ``compute_logits`` is applied by the model runner only
+    to the rows it needs (the last scheduled token of each request), because the ``hidden x vocab`` LM head is
+    the single biggest matmul of a step.
+    """
+
+    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+        super().__init__()
+        self.config = config
+        self.model = LlamaModel(config, backend)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.layer_hooks: List = []  # callables (layer_idx, kv_cache) run after each layer (KV connector saves)
+
+    def set_attention_backend(self, backend: str) -> None:
+        """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing)."""
+        if backend not in ("sdpa", "reference"):
+            raise ValueError(f"attention backend must be 'sdpa' or 'reference', got {backend!r}")
+        for layer in self.model.layers:
+            layer.self_attn.backend = backend
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor], md: AttentionMetadata
+    ) -> torch.Tensor:
+        """``input_ids, positions: int64 [T]`` -> final hidden states ``[T, hidden_size]``.
+
+        Writes every token's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` on the way.
+        """
+        hidden = self.model.embed_tokens(input_ids)
+        for i, layer in enumerate(self.model.layers):
+            hidden = layer(positions, hidden, kv_caches[i], md)
+            for hook in self.layer_hooks:
+                hook(i, kv_caches[i])
+        return self.model.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
+        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, w).float()

@@ -1,0 +1,49 @@
+"""What ``LLM.generate`` returns (vLLM: ``vllm/outputs.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class CompletionOutput:
+    """One completion: ``text``, ``token_ids``, and why it ended.
+
+    ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens`` or
+    ``max_model_len`` reached) or ``"abort"``; ``None`` while the request is still running.
+    ``stop_reason`` is the stop string or stop token id that matched, else ``None``.
+    """
+
+    index: int
+    text: str
+    token_ids: List[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestOutput:
+    """A request's state as seen by the caller, after a step or at the end.
+
+    Attributes:
+        request_id, prompt, prompt_token_ids: the request.
+        outputs: one ``CompletionOutput`` (minivllm has ``n=1``).
+        finished: True once the request ended (finished or aborted).
+        num_cached_tokens: prompt tokens served from the prefix cache at first admission.
+        num_preemptions: times the request was preempted.
+        new_token_ids / new_text: what this step added (for streaming).
+    """
+
+    request_id: str
+    prompt: Optional[str]
+    prompt_token_ids: List[int]
+    outputs: List[CompletionOutput]
+    finished: bool
+    num_cached_tokens: int = 0
+    num_preemptions: int = 0
+    new_token_ids: List[int] = field(default_factory=list)
+    new_text: str = ""

@@ -1,0 +1,105 @@
+"""Per-request sampling and stopping parameters (vLLM: ``vllm/sampling_params.py``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence, Union
+
+_GREEDY_EPS = 1e-5
+
+
+@dataclass
+class SamplingParams:
+    """How one request picks its next tokens and when it stops.
+
+    Args:
+        n: Number of completions. Only ``n=1`` is supported; the field exists so vLLM code reads the same.
+        temperature: Softmax temperature. ``0`` means greedy (argmax). Must be ``>= 0``.
+        top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to at least ``top_p``.
+            Must be in ``(0, 1]``; ``1`` disables it.
+        top_k: Keep the ``top_k`` most likely tokens. ``0`` or ``-1`` disables it (vLLM accepts both);
+            otherwise it must be ``>= 1``.
+        min_p: Drop tokens whose probability is below ``min_p`` times the top token's. In ``[0, 1]``.
+        seed: Seed of this request's own ``torch.Generator``. With a seed the sampled text does not depend on
+            the batch it runs in, on chunked prefill or on preemption.
+        max_tokens: Maximum number of generated tokens (``>= 1``). ``None`` means "up to ``max_model_len``".
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated.
+        stop: Stop strings. Generation stops when the detokenized output contains one; the text is cut before
+            it unless ``include_stop_str_in_output``.
+        stop_token_ids: Extra token ids that end generation (the token is kept in ``token_ids``).
+        ignore_eos: Keep generating after EOS (benchmarks use this).
+        include_stop_str_in_output: Keep the matched stop string at the end of the text.
+        skip_special_tokens: Drop special tokens when detokenizing.
+        priority: Used by the ``priority`` scheduling policy: a *lower* value is served first (vLLM's rule).
+
+    Raises:
+        ValueError: naming the parameter, its value and the limit, for any out-of-range value. Checked here,
+            at construction, so a bad request never reaches the engine.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    max_tokens: Optional[int] = 16
+    min_tokens: int = 0
+    stop: Optional[Union[str, Sequence[str]]] = None
+    stop_token_ids: Optional[Sequence[int]] = None
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    priority: int = 0
+    # Filled by the engine: the tokenizer's EOS id (None for models without one).
+    eos_token_id: Optional[int] = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        self._verify()
+
+    def _verify(self) -> None:
+        def bad(name: str, value, limit: str) -> ValueError:
+            return ValueError(f"{name} must be {limit}, got {value!r}")
+
+        if self.n != 1:
+            raise bad("n", self.n, "1 (minivllm returns one completion per request)")
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "in (0, 1]")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k not in (0, -1)):
+            raise bad("top_k", self.top_k, ">= 1, or 0 / -1 to disable it")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "in [0, 1]")
+        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
+            raise bad("max_tokens", self.max_tokens, ">= 1")
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
+            raise bad("min_tokens", self.min_tokens, ">= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise bad("seed", self.seed, "a non-negative int or None")
+        for s in self.stop:
+            if not isinstance(s, str) or not s:
+                raise bad("stop", s, "a non-empty string")
+        for t in self.stop_token_ids:
+            if not isinstance(t, int) or t < 0:
+                raise bad("stop_token_ids", t, "non-negative token ids")
+
+    @property
+    def greedy(self) -> bool:
+        """True when the next token is the argmax (temperature below 1e-5, as in vLLM)."""
+        return self.temperature < _GREEDY_EPS
+
+    def clone(self) -> "SamplingParams":
+        """A copy the engine may fill (``eos_token_id``) without touching the caller's object."""
+        from copy import copy
+
+        c = copy(self)
+        c.stop = list(self.stop)
+        c.stop_token_ids = list(self.stop_token_ids)
+        return c

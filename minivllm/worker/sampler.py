@@ -1,0 +1,85 @@
+"""Turn each request's logits row into one token (vLLM: ``vllm/v1/sample/sampler.py``).
+
+Order of operations, as in vLLM: ``min_tokens`` masking (EOS and stop tokens get ``-inf`` until enough tokens
+exist), then greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p, and draw with the
+exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw from ``p``. A request with a
+``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
+the batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+
+from minivllm.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for one step.
+
+    Attributes:
+        params: the ``SamplingParams`` of each row's request.
+        generators: the request's own generator, or ``None`` to use the engine's shared one.
+        num_output_tokens: tokens each request has generated so far (for ``min_tokens``).
+        eos_token_ids: each request's EOS id (or ``None``).
+        all_greedy: every row is greedy and no row needs ``min_tokens`` masking (the fast path).
+    """
+
+    params: List[SamplingParams]
+    generators: List[Optional[torch.Generator]]
+    num_output_tokens: List[int]
+    eos_token_ids: List[Optional[int]]
+    all_greedy: bool
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
+    """Mask one row ``[vocab]`` of temperature-scaled float32 logits with ``-inf`` outside the kept set."""
+    if top_k > 0 and top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, idx = torch.sort(logits, descending=True)
+        probs = sorted_logits.softmax(-1)
+        # Drop a token when the mass *before* it already reaches top_p (the top token always stays).
+        drop = (probs.cumsum(-1) - probs) >= top_p
+        logits = logits.clone()
+        logits[idx[drop]] = float("-inf")
+    if min_p > 0.0:
+        probs = logits.softmax(-1)
+        logits = logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+    return logits
+
+
+class Sampler:
+    """Samples one token per row. ``shared_generator`` serves requests without a seed."""
+
+    def __init__(self, shared_generator: torch.Generator) -> None:
+        self.shared_generator = shared_generator
+
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+        """``logits: float32 [num_reqs, vocab]`` -> ``int64 [num_reqs]`` token ids."""
+        if md.all_greedy:
+            return logits.argmax(-1)
+        out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+        for i, sp in enumerate(md.params):
+            row = logits[i]
+            if md.num_output_tokens[i] < sp.min_tokens:
+                banned = list(sp.stop_token_ids)
+                if md.eos_token_ids[i] is not None and not sp.ignore_eos:
+                    banned.append(md.eos_token_ids[i])
+                if banned:
+                    row = row.clone()
+                    row[banned] = float("-inf")
+            if sp.greedy:
+                out[i] = row.argmax()
+                continue
+            row = apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+            probs = row.softmax(-1)
+            gen = md.generators[i] or self.shared_generator
+            q = torch.empty_like(probs).exponential_(generator=gen)
+            out[i] = (probs / q).argmax()
+        return out
