@@ -394,6 +394,7 @@ class LLMEngine:
             block_owners=owners,
             cached_free_blocks=cached_free,
             token_budget=self.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=self.scheduler_config.max_num_seqs,
         )
 
     # ---- convenience ----------------------------------------------------------------------------------------

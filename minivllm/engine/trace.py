@@ -46,6 +46,7 @@ class StepRecord:
         token_budget: ``max_num_batched_tokens``.
         inputs: the model runner's flattened batch as lists (``positions``, ``slot_mapping``, ...), when recorded.
         connector_calls: KV connector calls made during this step, when a recording connector is used.
+        max_num_seqs: the limit on running requests (0 in records made before this field existed).
     """
 
     step: int
@@ -66,6 +67,7 @@ class StepRecord:
     token_budget: int
     inputs: Optional[Dict[str, Any]] = None
     connector_calls: List[Dict[str, Any]] = field(default_factory=list)
+    max_num_seqs: int = 0
 
     @property
     def total_scheduled(self) -> int:

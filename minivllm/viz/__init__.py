@@ -1,0 +1,27 @@
+"""Pictures of a recorded run (``SchedulerTrace``): the queue animator, single frames, and static plots.
+
+Record a run with ``LLMEngine(..., record_trace=True)`` (or ``LLM(..., record_trace=True)``), then::
+
+    from minivllm.viz import QueueAnimator, plot_timeline
+    QueueAnimator(engine.trace)          # Play / slider over every step (works in exported HTML too)
+    plot_timeline(engine.trace)          # requests x steps: waiting / prefill chunk / decode / preempted
+
+Files: ``colors`` (one colour per request), ``frame`` (HTML of one step), ``frame_image`` (the same with
+matplotlib), ``animator`` (the widget), ``timeline`` (states and latencies per request), ``plots`` (static plots).
+"""
+
+from minivllm.viz.animator import QueueAnimator
+from minivllm.viz.colors import owner_colors, request_order
+from minivllm.viz.frame import render_frame_html
+from minivllm.viz.frame_image import draw_frame, save_frame_png
+from minivllm.viz.plots import plot_free_blocks, plot_timeline, plot_tokens_per_step
+from minivllm.viz.timeline import (
+    ABSENT, DECODE, IDLE, PREEMPTED, PREFILL, STATE_NAMES, WAITING, RequestLatency, request_latencies,
+    timeline_states,
+)
+
+__all__ = [
+    "QueueAnimator", "render_frame_html", "draw_frame", "save_frame_png", "owner_colors", "request_order",
+    "plot_timeline", "plot_free_blocks", "plot_tokens_per_step", "timeline_states", "request_latencies",
+    "RequestLatency", "STATE_NAMES", "ABSENT", "WAITING", "PREFILL", "DECODE", "PREEMPTED", "IDLE",
+]
