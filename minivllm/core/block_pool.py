@@ -101,6 +101,17 @@ class BlockPool:
             b.block_hash = h
             self.cached_block_hash_to_block[h] = b
 
+    def uncache_blocks(self, blocks: Iterable[KVCacheBlock]) -> None:
+        """Drop the hashes of blocks whose KV will never be written (see ``KVCacheManager.free``).
+
+        Only blocks held by their one owner are touched; a block shared through a hit has valid KV by definition.
+        """
+        for b in blocks:
+            if b.ref_cnt == 1 and b.block_hash is not None:
+                if self.cached_block_hash_to_block.get(b.block_hash) is b:
+                    del self.cached_block_hash_to_block[b.block_hash]
+                b.block_hash = None
+
     def get_num_free_blocks(self) -> int:
         """Blocks that can be allocated now, cached-but-free (evictable) ones included."""
         return self.free_block_queue.num_free_blocks

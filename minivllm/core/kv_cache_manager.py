@@ -166,9 +166,18 @@ class KVCacheManager:
             self.num_cached_block[rid] = num_full
 
     def free(self, request: "Request") -> None:
-        """Return all of the request's blocks to the pool, last block first (vLLM frees in reverse order)."""
+        """Return all of the request's blocks to the pool, last block first (vLLM frees in reverse order).
+
+        Blocks are hashed when they are *allocated* for a step, before that step computes their KV. If the
+        request is freed before the step runs (the priority policy can preempt a request it already scheduled
+        in the same step), the blocks past ``num_computed_tokens`` would stay findable without their KV ever
+        being written; their hashes are dropped first, so no later request can hit them.
+        """
         blocks = self.req_to_blocks.pop(request.request_id, [])
-        self.num_cached_block.pop(request.request_id, None)
+        num_cached = self.num_cached_block.pop(request.request_id, 0)
+        num_valid = request.num_computed_tokens // self.block_size
+        if num_cached > num_valid:
+            self.block_pool.uncache_blocks(blocks[num_valid:num_cached])
         self.block_pool.free_blocks(reversed(blocks))
 
     # -- views --------------------------------------------------------------------------------------------

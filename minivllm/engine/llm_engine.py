@@ -234,14 +234,16 @@ class LLMEngine:
         if bad:
             raise ValueError(f"prompt_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         max_len = self.scheduler_config.max_model_len
+        bs, num_blocks = self.cache_config.block_size, self.cache_config.num_gpu_blocks
+        need = cdiv(len(ids), bs)
+        # Checked before max_model_len (which is <= the cache's capacity) so that the message names the cause.
+        if need > num_blocks:
+            raise ValueError(
+                f"prompt of {len(ids)} tokens needs {need} KV blocks of block_size={bs} but the whole cache has "
+                f"num_gpu_blocks={num_blocks} ({num_blocks * bs} tokens): it could never be scheduled"
+            )
         if len(ids) > max_len:
             raise ValueError(f"prompt length ({len(ids)} tokens) is longer than max_model_len ({max_len})")
-        need = cdiv(len(ids), self.cache_config.block_size)
-        if need > self.cache_config.num_gpu_blocks:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens needs {need} KV blocks but the whole cache has num_gpu_blocks="
-                f"{self.cache_config.num_gpu_blocks}"
-            )
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")

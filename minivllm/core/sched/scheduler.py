@@ -147,7 +147,10 @@ class Scheduler:
             n = request.num_tokens - request.num_computed_tokens
             if 0 < threshold < n:
                 n = threshold
-            n = min(n, token_budget, self.max_model_len - 1 - request.num_computed_tokens)
+            # No position may reach max_model_len. vLLM caps at max_model_len - 1 - computed to leave room for
+            # speculative tokens; minivllm has none, and that extra -1 would starve the last chunk of a prompt
+            # of exactly max_model_len tokens forever (n == 0 every step).
+            n = min(n, token_budget, self.max_model_len - request.num_computed_tokens)
             if n <= 0:
                 i += 1
                 continue
