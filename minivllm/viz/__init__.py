@@ -7,7 +7,8 @@ Record a run with ``LLMEngine(..., record_trace=True)`` (or ``LLM(..., record_tr
     plot_timeline(engine.trace)          # requests x steps: waiting / prefill chunk / decode / preempted
 
 Files: ``colors`` (one colour per request), ``frame`` (HTML of one step), ``frame_image`` (the same with
-matplotlib), ``animator`` (the widget), ``timeline`` (states and latencies per request), ``plots`` (static plots).
+matplotlib), ``animator`` (the widget), ``timeline`` (state of each request in each step), ``metrics`` (latency
+per request, batch occupancy, budget usage), ``plots`` (static plots).
 """
 
 from minivllm.viz.animator import QueueAnimator
@@ -15,13 +16,11 @@ from minivllm.viz.colors import owner_colors, request_order
 from minivllm.viz.frame import render_frame_html
 from minivllm.viz.frame_image import draw_frame, save_frame_png
 from minivllm.viz.plots import plot_free_blocks, plot_timeline, plot_tokens_per_step
-from minivllm.viz.timeline import (
-    ABSENT, DECODE, IDLE, PREEMPTED, PREFILL, STATE_NAMES, WAITING, RequestLatency, request_latencies,
-    timeline_states,
-)
+from minivllm.viz.metrics import RequestLatency, batch_occupancy, budget_usage, request_latencies
+from minivllm.viz.timeline import ABSENT, DECODE, IDLE, PREEMPTED, PREFILL, STATE_NAMES, WAITING, timeline_states
 
 __all__ = [
     "QueueAnimator", "render_frame_html", "draw_frame", "save_frame_png", "owner_colors", "request_order",
     "plot_timeline", "plot_free_blocks", "plot_tokens_per_step", "timeline_states", "request_latencies",
-    "RequestLatency", "STATE_NAMES", "ABSENT", "WAITING", "PREFILL", "DECODE", "PREEMPTED", "IDLE",
+    "RequestLatency", "batch_occupancy", "budget_usage", "STATE_NAMES", "ABSENT", "WAITING", "PREFILL", "DECODE", "PREEMPTED", "IDLE",
 ]

@@ -125,5 +125,5 @@ def save_frame_png(trace: SchedulerTrace, k: int, path, *, dpi: int = 110, **kwa
     """``draw_frame(trace, k, **kwargs)`` saved as a PNG at ``path`` (the figure is closed afterwards)."""
     ax = draw_frame(trace, k, **kwargs)
     fig = ax.figure
-    fig.savefig(path, dpi=dpi, bbox_inches="tight")
+    fig.savefig(path, dpi=dpi, bbox_inches="tight", metadata={"Software": None})
     plt.close(fig)

@@ -1,13 +1,11 @@
-"""What each request was doing in each step: the data behind the timeline plot and the latency numbers.
+"""What each request was doing in each step: the data behind the timeline plot.
 
-``timeline_states`` turns a ``SchedulerTrace`` into a requests x steps matrix of states; ``request_latencies``
-counts, per request, the steps until its first token and until it finished. Steps are the time unit: one step is
-one forward pass of the whole batch, which is how vLLM's engine core advances.
+``timeline_states`` turns a ``SchedulerTrace`` into a requests x steps matrix of states (waiting, prefill chunk,
+decode, preempted, running without tokens, not in the engine).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -60,63 +58,3 @@ def timeline_states(
         first = seen[0] if len(seen) else len(trace)
         states[r, max(step, 0):first] = WAITING
     return ids, states
-
-
-@dataclass
-class RequestLatency:
-    """Latency of one request, in engine steps counted from its arrival.
-
-    Attributes:
-        arrival: step at which it arrived (first seen in the trace, or given).
-        first_scheduled: first step in which it computed tokens.
-        first_token: step in which its first output token was sampled.
-        finished: step in which it finished (``None`` if the trace ends before).
-        ttft_steps: ``first_token - arrival + 1`` (steps until the first token exists).
-        latency_steps: ``finished - arrival + 1`` (steps until the request is complete).
-        num_output_tokens: tokens it generated in the trace.
-    """
-
-    arrival: int
-    first_scheduled: Optional[int]
-    first_token: Optional[int]
-    finished: Optional[int]
-    ttft_steps: Optional[int]
-    latency_steps: Optional[int]
-    num_output_tokens: int
-
-
-def request_latencies(
-    trace: SchedulerTrace, arrivals: Optional[Dict[str, int]] = None
-) -> Dict[str, RequestLatency]:
-    """``request id -> RequestLatency`` for every request in ``trace`` (ids in order of first appearance).
-
-    A step samples a token for a request when the request's ``num_computed_tokens`` reaches its ``num_tokens``
-    in that step (a decode, or the last chunk of a prefill); a partial prefill chunk samples none.
-    """
-    ids = request_order(trace)
-    out: Dict[str, RequestLatency] = {}
-    for rid in ids:
-        arrival = (arrivals or {}).get(rid)
-        first_seen = first_sched = first_tok = fin = None
-        n_out = 0
-        for k, s in enumerate(trace):
-            if first_seen is None and rid in s.requests:
-                first_seen = k
-            if rid in s.num_scheduled_tokens:
-                if first_sched is None:
-                    first_sched = k
-                snap = s.requests[rid]
-                if snap.num_computed_tokens >= snap.num_tokens:
-                    n_out += 1
-                    if first_tok is None:
-                        first_tok = k
-            if rid in s.finished and fin is None:
-                fin = k
-        arrival = first_seen if arrival is None else arrival
-        out[rid] = RequestLatency(
-            arrival, first_sched, first_tok, fin,
-            None if first_tok is None else first_tok - arrival + 1,
-            None if fin is None else fin - arrival + 1,
-            n_out,
-        )
-    return out

@@ -1,0 +1,201 @@
+"""``python -m minivllm figures``: regenerate every figure in ``images/`` from real engine runs.
+
+Figures are a registry ``file name -> function(path)``: each function runs the engine (the tiny random-weight
+model where only scheduling mechanics matter), draws, and writes one file at ``path``. To add a figure::
+
+    from minivllm.figures import register
+
+    @register("my_figure.png")
+    def my_figure(path):
+        ...                                   # run the engine, draw, fig.savefig(path)
+
+Registration happens on import: modules that define figures are listed in ``FIGURE_MODULES`` and imported by
+``main``. Nothing in a figure is drawn by hand; every number comes from the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import os
+import time
+from pathlib import Path
+from typing import Callable, Dict, List, Optional
+
+FIGURES: Dict[str, Callable[[Path], None]] = {}
+"""``file name -> function(path)`` for every registered figure."""
+
+FIGURE_MODULES: List[str] = ["minivllm.figures"]
+"""Modules imported by ``main`` so that their ``@register`` decorators run (add yours here)."""
+
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "images"
+_DPI = 100
+
+
+def register(name: str):
+    """Decorator: register ``fn(path)`` as the producer of ``images/<name>``.
+
+    Raises:
+        ValueError: if ``name`` has a directory part, no file extension, or is already registered.
+    """
+    if os.path.basename(name) != name or "." not in name:
+        raise ValueError(f"figure name must be a bare file name with an extension, got {name!r}")
+    if name in FIGURES:
+        raise ValueError(f"figure {name!r} is already registered (by {FIGURES[name].__module__})")
+
+    def deco(fn: Callable[[Path], None]) -> Callable[[Path], None]:
+        FIGURES[name] = fn
+        return fn
+
+    return deco
+
+
+def _save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
+
+    # no "Software"/date metadata: a regenerated PNG only differs from the committed one if the picture does
+    fig.savefig(path, dpi=_DPI, bbox_inches="tight", metadata={"Software": None})
+    plt.close(fig)
+
+
+# ---- the runs -------------------------------------------------------------------------------------------------
+def preemption_run():
+    """Six requests, 12 KV blocks of 16 tokens, a 64-token budget, ``max_num_seqs=4``: chunked prefills, decodes
+    and one preemption (request 3 at step 4). Returns the finished ``LLMEngine``; the same run as
+    ``tests/test_viz.py``."""
+    import numpy as np
+
+    from minivllm import LLMEngine, SamplingParams
+
+    eng = LLMEngine("tiny", record_trace=True, num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
+    rng = np.random.default_rng(0)
+    for n, m in zip([20, 33, 46, 59, 72, 85], [8, 11, 14, 17, 20, 23]):
+        eng.add_request(None, {"prompt_token_ids": rng.integers(3, 500, n).tolist()},
+                        SamplingParams(temperature=0, max_tokens=m, ignore_eos=True))
+    eng.run_to_completion(max_steps=1000)
+    return eng
+
+
+def batching_runs(batch_size: int = 4):
+    """``(static, continuous)`` ``BatchingRun``s of ``mixed_requests()`` on the tiny model with
+    ``max_num_seqs=batch_size``, a 256-token budget and 64 blocks (no preemption)."""
+    from minivllm import LLMEngine
+    from minivllm.batching import mixed_requests, run_continuous, run_static
+
+    prompts, params = mixed_requests()
+
+    def engine():
+        return LLMEngine("tiny", record_trace=True, max_num_seqs=batch_size, max_num_batched_tokens=256,
+                         num_gpu_blocks=64, enable_prefix_caching=False)
+
+    return run_static(engine(), prompts, params, batch_size), run_continuous(engine(), prompts, params)
+
+
+# ---- the figures ----------------------------------------------------------------------------------------------
+@register("queue_frame_preemption.png")
+def queue_frame_preemption(path: Path) -> None:
+    """The step in which request 3 is preempted: queues, budget, KV blocks by owner."""
+    from minivllm.viz import save_frame_png
+
+    trace = preemption_run().trace
+    step = trace.preemptions()[0][0]
+    save_frame_png(trace, step, path, dpi=_DPI)
+
+
+@register("timeline_preemption.png")
+def timeline_preemption(path: Path) -> None:
+    """Timeline, tokens per step and free blocks of the preemption run."""
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz import plot_free_blocks, plot_timeline, plot_tokens_per_step
+
+    trace = preemption_run().trace
+    fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [1.4, 1, 1]})
+    plot_timeline(trace, axes[0], title="6 requests, 12 KV blocks, budget 64 tokens, max_num_seqs 4")
+    plot_tokens_per_step(trace, axes[1], title="")
+    plot_free_blocks(trace, axes[2], title="")
+    fig.tight_layout()
+    _save(fig, path)
+
+
+@register("static_vs_continuous.png")
+def static_vs_continuous(path: Path) -> None:
+    """The same 12 requests under static batching (batches of 4) and continuous batching (max_num_seqs 4)."""
+    import matplotlib.pyplot as plt
+
+    from minivllm.viz import batch_occupancy, plot_timeline
+
+    static, cont = batching_runs()
+    n = max(static.num_steps, cont.num_steps)
+    fig, axes = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True)
+    for ax, run, name in ((axes[0], static, "static batching"), (axes[1], cont, "continuous batching")):
+        occ = batch_occupancy(run.trace).mean()
+        plot_timeline(run.trace, ax, arrivals=run.arrivals,
+                      title=f"{name}: {run.num_steps} steps, batch slots used {100 * occ:.0f}% on average")
+        ax.set_xlim(-0.5, n - 0.5)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+@register("latency_static_vs_continuous.png")
+def latency_static_vs_continuous(path: Path) -> None:
+    """Per-request latency (steps from arrival to last token) under both schedules."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from minivllm.viz import request_latencies
+
+    static, cont = batching_runs()
+    ls, lc = request_latencies(static.trace, static.arrivals), request_latencies(cont.trace, cont.arrivals)
+    ids = static.request_ids
+    x = np.arange(len(ids))
+    fig, ax = plt.subplots(figsize=(9, 3.5))
+    ax.bar(x - 0.2, [ls[r].latency_steps for r in ids], 0.4, label="static batching", color="#bab0ac")
+    ax.bar(x + 0.2, [lc[r].latency_steps for r in cont.request_ids], 0.4, label="continuous batching",
+           color="#4e79a7")
+    outs = [static.outputs[r].outputs[0].token_ids for r in ids]
+    ax.set_xticks(x, [f"{r}\n({len(o)} out)" for r, o in zip(ids, outs)], fontsize=8)
+    ax.set_xlabel("request (output tokens)")
+    ax.set_ylabel("latency [engine steps]")
+    ax.set_title("Latency per request: arrival at step 0 to last token")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    _save(fig, path)
+
+
+# ---- command line ---------------------------------------------------------------------------------------------
+def load_all() -> Dict[str, Callable[[Path], None]]:
+    """Import every module in ``FIGURE_MODULES`` and return the registry."""
+    for mod in FIGURE_MODULES:
+        importlib.import_module(mod)
+    return FIGURES
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Regenerate figures. ``--list`` prints the names; ``--only NAME`` (repeatable) picks some; ``--out DIR``
+    writes elsewhere than ``images/``. Returns the exit status (2 for an unknown name)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    p = argparse.ArgumentParser(prog="python -m minivllm figures", description=__doc__.split("\n")[0])
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: images/ of the course)")
+    p.add_argument("--only", action="append", default=None, help="a figure name (repeatable)")
+    p.add_argument("--list", action="store_true", help="list the figure names and exit")
+    a = p.parse_args([] if argv is None else argv)
+    figures = load_all()
+    if a.list:
+        for name, fn in sorted(figures.items()):
+            print(f"{name}: {(fn.__doc__ or '').strip().splitlines()[0] if fn.__doc__ else ''}")
+        return 0
+    names = a.only or sorted(figures)
+    unknown = [n for n in names if n not in figures]
+    if unknown:
+        print(f"unknown figure(s): {', '.join(unknown)}; known: {', '.join(sorted(figures))}")
+        return 2
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        t = time.perf_counter()
+        figures[name](out / name)
+        print(f"[figures] {out / name} ({time.perf_counter() - t:.1f} s)")
+    return 0
