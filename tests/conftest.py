@@ -1,0 +1,49 @@
+"""Shared fixtures. The real model is loaded once per test session (about 10 s)."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(scope="session")
+def real_llm():
+    """SmolLM2-135M-Instruct through minivllm, fp32, CPU."""
+    from minivllm import LLM
+
+    return LLM(dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def hf_model():
+    """The same GGUF loaded by Hugging Face transformers (fp32): the numerical reference."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model.loader import default_model_path
+
+    path = default_model_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(
+            os.path.dirname(path), gguf_file=os.path.basename(path), dtype=torch.float32
+        )
+    return model.eval()
+
+
+def make_tiny_engine(**kw):
+    """A tiny random-weight engine (fp32); keyword arguments override the defaults below."""
+    from minivllm import LLMEngine
+
+    kw.setdefault("enable_prefix_caching", False)
+    return LLMEngine("tiny", **kw)
+
+
+def run_all(engine, max_steps=100000):
+    """Step until empty; returns ``{request_id: final RequestOutput}``."""
+    return engine.run_to_completion(max_steps=max_steps)
