@@ -385,7 +385,8 @@ def test_pool_invariants_after_random_workloads(w):
         while pending and arrivals[pending[0]] <= step:
             i = pending.pop(0)
             _, _, _, max_tokens, priority = w["requests"][i]
-            eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens), priority=priority)
+            eng.add_request(f"r{i}", prompts[i], SamplingParams(temperature=0, max_tokens=max_tokens),
+                            priority=priority)
         eng.step()
         step += 1
         assert step < 2000
