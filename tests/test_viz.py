@@ -21,7 +21,6 @@ from minivllm.viz import (
     DECODE, PREEMPTED, PREFILL, WAITING, QueueAnimator, owner_colors, plot_free_blocks, plot_timeline,
     plot_tokens_per_step, render_frame_html, request_latencies, save_frame_png, timeline_states,
 )
-from minivllm.viz.colors import FREE_COLOR
 
 PROMPT_LENS = [20, 33, 46, 59, 72, 85]
 MAX_TOKENS = [8, 11, 14, 17, 20, 23]
@@ -84,7 +83,7 @@ def test_preempted_request_is_at_the_front_of_waiting_with_a_badge(trace):
     waiting = [b["data-request-id"] for b in els.with_class("mv-req") if b["data-queue"] == "waiting"]
     assert waiting == ["3", "4", "5"]
     assert html.count('class="mv-badge mv-preempted"') == 1
-    assert 'data-event="preempted" style="color:#c62828">3<' in html
+    assert 'data-event="preempted" class="mv-ev-preempted">3<' in html
 
 
 def test_chunk_and_decode_markup(trace):
@@ -131,8 +130,10 @@ def test_block_colours_follow_owners(trace, k):
         assert b["data-owner"].split() == owners
         if owners:
             assert f"background:{colors[owners[0]]}" in b["style"]
-        elif int(b["data-block"]) not in s.cached_free_blocks:
-            assert f"background:{FREE_COLOR}" in b["style"]
+        elif int(b["data-block"]) in s.cached_free_blocks:
+            assert b["class"] == "mv-block mv-cached" and "style" not in b
+        else:
+            assert b["class"] == "mv-block mv-free" and "style" not in b
     # the blocks drawn for each running request are exactly its block table
     for rid in s.running:
         drawn = [int(b["data-block"]) for b in blocks if rid in b["data-owner"].split()]
@@ -156,7 +157,8 @@ def test_animator_steps_forwards_and_backwards(trace):
     assert a.stack.selected_index == 4
     a.slider.value = 1  # the slider alone drives the frame too
     assert a.stack.selected_index == 1
-    assert a.stack.children[4].value == render_frame_html(trace, 4)
+    assert a.stack.children[4].value == render_frame_html(trace, 4, with_css=False)
+    assert "<style>" in a.style.value and "<style>" not in a.stack.children[4].value
     # the browser-side link that makes exported HTML animate: slider.value -> stack.selected_index
     js = [link for link in a._links if type(link).__name__ == "DirectionalLink"]
     assert [(link.source[1], link.target[1]) for link in js] == [("value", "selected_index")]

@@ -14,7 +14,7 @@ import ipywidgets as widgets
 
 from minivllm.engine.trace import SchedulerTrace
 from minivllm.viz.colors import owner_colors
-from minivllm.viz.frame import render_frame_html
+from minivllm.viz.frame import FRAME_CSS, render_frame_html
 
 
 class QueueAnimator:
@@ -31,6 +31,8 @@ class QueueAnimator:
         play: the ``widgets.Play`` (its value is ``jslink``ed to the slider).
         slider: the ``widgets.IntSlider``; its value is the step shown.
         stack: the ``widgets.Stack`` of ``widgets.HTML`` frames; ``selected_index`` follows the slider.
+        style: a ``widgets.HTML`` holding the frames' style sheet (``FRAME_CSS``), shown once.
+        frames: the HTML of every frame (without the style sheet).
         widget: the ``widgets.VBox`` that is displayed.
 
     Raises:
@@ -58,7 +60,10 @@ class QueueAnimator:
             raise ValueError(f"interval_ms must be >= 50, got {interval_ms}")
         self.trace = trace
         colors = owner_colors(trace) if colors is None else colors
-        self.frames = [render_frame_html(trace, k, colors=colors, max_blocks=max_blocks) for k in range(n)]
+        # the style sheet goes into the page once, the frames carry only their content
+        self.frames = [
+            render_frame_html(trace, k, colors=colors, max_blocks=max_blocks, with_css=False) for k in range(n)
+        ]
         self.stack = widgets.Stack([widgets.HTML(f) for f in self.frames], selected_index=start)
         self.slider = widgets.IntSlider(
             value=start, min=0, max=n - 1, step=1, description="step", continuous_update=True,
@@ -72,7 +77,8 @@ class QueueAnimator:
             # in the kernel: keeps the Python-side state equal to what the browser shows
             widgets.dlink((self.slider, "value"), (self.stack, "selected_index")),
         ]
-        self.widget = widgets.VBox([widgets.HBox([self.play, self.slider]), self.stack])
+        self.style = widgets.HTML(f"<style>{FRAME_CSS}</style>")
+        self.widget = widgets.VBox([self.style, widgets.HBox([self.play, self.slider]), self.stack])
 
     def __len__(self) -> int:
         return len(self.frames)

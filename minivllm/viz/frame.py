@@ -6,8 +6,10 @@ request computes in this step, a prefill chunk drawn striped and a decode token 
 token budget (``max_num_batched_tokens``) the step used; the requests admitted, resumed, preempted and finished
 in this step; and the KV block pool, each block coloured by the request(s) that hold it.
 
-The HTML uses inline styles only, so it renders the same inside JupyterLab, in a notebook exported to HTML
-without a kernel, and in a plain browser. Every element a test or a reader may look for carries a ``data-*``
+The layout lives in one small style sheet (``FRAME_CSS``, class names prefixed ``mv-``); only the colours of a
+request are inline. ``render_frame_html`` puts the style sheet in front of the frame by default, so a frame renders
+the same in JupyterLab, in a notebook exported to HTML without a kernel, and in a plain browser; the animator
+includes it once for all its frames. Every element a test or a reader may look for carries a ``data-*``
 attribute (``data-queue``, ``data-request-id``, ``data-kind``, ``data-tokens``, ``data-block``, ``data-owner``).
 """
 
@@ -17,9 +19,37 @@ from html import escape
 from typing import Dict, List, Optional
 
 from minivllm.engine.trace import SchedulerTrace, StepRecord
-from minivllm.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
+from minivllm.viz.colors import owner_colors, text_color
 
-_FONT = "font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35"
+FRAME_CSS = """
+.mv-frame {font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35;
+  color: #222; padding: 4px}
+.mv-frame .mv-title {font-size: 15px}
+.mv-frame .mv-dim {color: #666; font-weight: 400}
+.mv-badge {display: inline-block; margin-left: 4px; padding: 0 5px; border-radius: 8px; font-size: 11px; color: #fff}
+.mv-new {background: #2e7d32} .mv-resumed {background: #1565c0} .mv-preempted {background: #c62828}
+.mv-finished {background: #424242}
+.mv-req {display: inline-block; vertical-align: top; margin: 3px; padding: 4px 6px; min-width: 150px;
+  border: 2px solid #777; border-left-width: 10px; border-radius: 4px; background: #fff}
+.mv-req .mv-id {font-size: 14px; font-weight: 700}
+.mv-counts {font-size: 11px; color: #333}
+.mv-chunk {margin-top: 3px; padding: 1px 4px; border: 1px solid #777}
+.mv-prefill span {background: #fff; padding: 0 3px}
+.mv-idle {border-style: dashed; border-color: #999; color: #666}
+.mv-queue {margin: 4px 0; padding: 3px; background: #fafafa; border: 1px solid #ddd; border-radius: 4px}
+.mv-queue .mv-qtitle {font-weight: 600; margin-left: 3px}
+.mv-empty {color: #888; margin: 3px}
+.mv-budget, .mv-events, .mv-blocks {margin: 4px 0}
+.mv-bar {display: flex; width: 100%; max-width: 600px; border: 1px solid #999; background: #fff}
+.mv-seg {min-width: 2px; height: 16px; border-right: 1px solid #fff; box-sizing: border-box}
+.mv-ev-preempted {color: #c62828}
+.mv-pool {max-width: 900px}
+.mv-block {display: inline-block; width: 26px; height: 20px; margin: 1px; text-align: center; font-size: 10px;
+  line-height: 20px; box-sizing: border-box; border: 1px solid #555}
+.mv-free {background: #eeeeee; border-color: #ccc; color: #999}
+.mv-cached {background: #ffffff; border-style: dashed; color: #555}
+"""
+"""The frame's style sheet (layout only; each request's colour is set inline)."""
 
 
 def _stripes(color: str) -> str:
@@ -31,11 +61,8 @@ def _attr(value: object) -> str:
     return escape(str(value), quote=True)
 
 
-def _badge(text: str, color: str, cls: str) -> str:
-    return (
-        f'<span class="mv-badge {cls}" style="display:inline-block; margin-left:4px; padding:0 5px; '
-        f'border-radius:8px; font-size:11px; background:{color}; color:#fff">{escape(text)}</span>'
-    )
+def _badge(text: str, cls: str) -> str:
+    return f'<span class="mv-badge {cls}">{escape(text)}</span>'
 
 
 def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
@@ -44,13 +71,13 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
     kind = s.kinds.get(rid, "none") if n else "none"
     badges = []
     if rid in s.new:
-        badges.append(_badge("new", "#2e7d32", "mv-new"))
+        badges.append(_badge("new", "mv-new"))
     if rid in s.resumed:
-        badges.append(_badge("resumed", "#1565c0", "mv-resumed"))
+        badges.append(_badge("resumed", "mv-resumed"))
     if rid in s.preempted:
-        badges.append(_badge("preempted", "#c62828", "mv-preempted"))
+        badges.append(_badge("preempted", "mv-preempted"))
     if rid in s.finished:
-        badges.append(_badge(f"finished ({s.finished[rid]})", "#424242", "mv-finished"))
+        badges.append(_badge(f"finished ({s.finished[rid]})", "mv-finished"))
     if snap is not None:
         before = s.num_computed_before.get(rid, snap.num_computed_tokens)
         computed = (
@@ -68,40 +95,33 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
         samples = snap is not None and snap.num_computed_tokens >= snap.num_tokens
         label += " &rarr; samples a token" if samples else " &middot; no token (partial prompt)"
         chunk = (
-            f'<div class="mv-chunk mv-prefill" data-kind="prefill" data-tokens="{n}" style="margin-top:3px; '
-            f'padding:1px 4px; border:1px solid {color}; background:{_stripes(color)}">'
-            f'<span style="background:#fff; padding:0 3px">{label}</span></div>'
+            f'<div class="mv-chunk mv-prefill" data-kind="prefill" data-tokens="{n}" '
+            f'style="border-color:{color}; background:{_stripes(color)}"><span>{label}</span></div>'
         )
     elif kind == "decode":
         chunk = (
-            f'<div class="mv-chunk mv-decode" data-kind="decode" data-tokens="{n}" style="margin-top:3px; '
-            f'padding:1px 4px; border:1px solid {color}; background:{color}; color:{text_color(color)}">'
+            f'<div class="mv-chunk mv-decode" data-kind="decode" data-tokens="{n}" '
+            f'style="border-color:{color}; background:{color}; color:{text_color(color)}">'
             f"decode +{n} &rarr; samples a token</div>"
         )
     elif queue == "running":
-        chunk = (
-            '<div class="mv-chunk mv-idle" data-kind="none" data-tokens="0" style="margin-top:3px; padding:1px 4px; '
-            'border:1px dashed #999; color:#666">no tokens this step (budget spent)</div>'
-        )
+        chunk = '<div class="mv-chunk mv-idle" data-kind="none" data-tokens="0">no tokens this step (budget spent)</div>'
     else:
         chunk = ""
     return (
         f'<div class="mv-req" data-request-id="{_attr(rid)}" data-queue="{queue}" data-kind="{kind}" '
-        f'data-tokens="{n}" style="display:inline-block; vertical-align:top; margin:3px; padding:4px 6px; '
-        f'min-width:150px; border:2px solid {color}; border-left-width:10px; border-radius:4px; background:#fff">'
-        f'<div><b style="font-size:14px">{escape(rid)}</b>{"".join(badges)}</div>'
-        f'<div class="mv-counts" style="font-size:11px; color:#333">{counts}</div>{chunk}</div>'
+        f'data-tokens="{n}" style="border-color:{color}"><div><span class="mv-id">{escape(rid)}</span>'
+        f'{"".join(badges)}</div><div class="mv-counts">{counts}</div>{chunk}</div>'
     )
 
 
 def _queue(s: StepRecord, queue: str, ids: List[str], colors: Dict[str, str], title: str) -> str:
     boxes = "".join(_request_box(s, rid, queue, colors.get(rid, "#777777")) for rid in ids)
     if not boxes:
-        boxes = '<span style="color:#888; margin:3px">(empty)</span>'
+        boxes = '<span class="mv-empty">(empty)</span>'
     return (
-        f'<div class="mv-queue" data-queue="{queue}" style="margin:4px 0; padding:3px; background:#fafafa; '
-        f'border:1px solid #ddd; border-radius:4px"><div style="font-weight:600; margin-left:3px">{title} '
-        f'<span style="font-weight:400; color:#666">({len(ids)})</span></div>{boxes}</div>'
+        f'<div class="mv-queue" data-queue="{queue}"><div class="mv-qtitle">{title} '
+        f'<span class="mv-dim">({len(ids)})</span></div>{boxes}</div>'
     )
 
 
@@ -114,15 +134,14 @@ def _budget(s: StepRecord, colors: Dict[str, str]) -> str:
         background = _stripes(color) if s.kinds[rid] == "prefill" else color
         segments.append(
             f'<div class="mv-seg" data-request-id="{_attr(rid)}" data-kind="{s.kinds[rid]}" data-tokens="{n}" '
-            f'title="{_attr(rid)}: {s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; min-width:2px; '
-            f'height:16px; background:{background}; border-right:1px solid #fff; box-sizing:border-box"></div>'
+            f'title="{_attr(rid)}: {s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
+            f'background:{background}"></div>'
         )
     seqs = f" &middot; running {len(s.running)} / max_num_seqs {s.max_num_seqs}" if s.max_num_seqs else ""
     return (
-        f'<div class="mv-budget" data-used="{used}" data-budget="{s.token_budget}" style="margin:4px 0">'
+        f'<div class="mv-budget" data-used="{used}" data-budget="{s.token_budget}">'
         f"<div>token budget: <b>{used}</b> / {s.token_budget} tokens used{seqs}</div>"
-        f'<div style="display:flex; width:100%; max-width:600px; border:1px solid #999; background:#fff">'
-        f'{"".join(segments)}</div></div>'
+        f'<div class="mv-bar">{"".join(segments)}</div></div>'
     )
 
 
@@ -132,9 +151,9 @@ def _events(s: StepRecord) -> str:
 
     finished = " ".join(f"{escape(r)} ({escape(str(why))})" for r, why in s.finished.items()) or "&ndash;"
     return (
-        f'<div class="mv-events" style="margin:4px 0">new: <span data-event="new">{ids(s.new)}</span> &middot; '
+        f'<div class="mv-events">new: <span data-event="new">{ids(s.new)}</span> &middot; '
         f'resumed: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
-        f'preempted: <span data-event="preempted" style="color:#c62828">{ids(s.preempted)}</span> &middot; '
+        f'preempted: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
         f'finished: <span data-event="finished">{finished}</span></div>'
     )
 
@@ -143,6 +162,8 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int) -> str:
     cached = set(s.cached_free_blocks)
     cells = []
     for b, owners in enumerate(s.block_owners[:max_blocks]):
+        head = f'<span class="mv-block{{}}" data-block="{b}" data-owner="{_attr(" ".join(owners))}" ' \
+               f'data-cached="{int(b in cached)}"'
         if owners:
             cs = [colors.get(o, "#777777") for o in owners]
             if len(cs) == 1:
@@ -150,30 +171,22 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int) -> str:
             else:  # a prefix-cache hit: one block, several owners, one band of colour each
                 stops = ", ".join(f"{c} {100 * i / len(cs):.0f}% {100 * (i + 1) / len(cs):.0f}%" for i, c in enumerate(cs))
                 background = f"linear-gradient(90deg, {stops})"
-            border, fg = "1px solid #555", text_color(cs[0])
-            tip = f"block {b}: held by {', '.join(owners)}"
+            cells.append(head.format("") + f' title="block {b}: held by {_attr(", ".join(owners))}" '
+                         f'style="background:{background}; color:{text_color(cs[0])}">{b}</span>')
         elif b in cached:
-            background, border, fg = CACHED_FREE_COLOR, "1px dashed #555", "#555"
-            tip = f"block {b}: free, still holds a cached prefix (evictable)"
+            cells.append(head.format(" mv-cached") + f' title="block {b}: free, still a cached prefix">{b}</span>')
         else:
-            background, border, fg = FREE_COLOR, "1px solid #ccc", "#999"
-            tip = f"block {b}: free"
-        cells.append(
-            f'<span class="mv-block" data-block="{b}" data-owner="{_attr(" ".join(owners))}" '
-            f'data-cached="{int(b in cached)}" title="{_attr(tip)}" style="display:inline-block; width:26px; '
-            f"height:20px; margin:1px; text-align:center; font-size:10px; line-height:20px; box-sizing:border-box; "
-            f'background:{background}; border:{border}; color:{fg}">{b}</span>'
-        )
+            cells.append(head.format(" mv-free") + f">{b}</span>")
     more = len(s.block_owners) - max_blocks
     tail = ""
     if more > 0:
         held = sum(1 for owners in s.block_owners[max_blocks:] if owners)
-        tail = f'<span style="color:#666"> &hellip; {more} more blocks not drawn ({held} of them held)</span>'
+        tail = f'<span class="mv-dim"> &hellip; {more} more blocks not drawn ({held} of them held)</span>'
     return (
-        f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}" style="margin:4px 0">'
+        f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}">'
         f"<div>KV block pool: <b>{s.num_free_blocks}</b> of {s.num_gpu_blocks} blocks free "
-        f'<span style="color:#666">(colour = owner; grey = free; dashed = free but still a cached prefix)</span>'
-        f'</div><div style="max-width:900px">{"".join(cells)}{tail}</div></div>'
+        f'<span class="mv-dim">(colour = owner; grey = free; dashed = free but still a cached prefix)</span>'
+        f'</div><div class="mv-pool">{"".join(cells)}{tail}</div></div>'
     )
 
 
@@ -183,6 +196,7 @@ def render_frame_html(
     *,
     colors: Optional[Dict[str, str]] = None,
     max_blocks: int = 512,
+    with_css: bool = True,
 ) -> str:
     """HTML of step ``k`` of ``trace``: queues, scheduled tokens, budget, events and KV block pool.
 
@@ -191,9 +205,10 @@ def render_frame_html(
         k: the step, ``0 <= k < len(trace)``.
         colors: ``request id -> "#rrggbb"``; default ``owner_colors(trace)`` (stable over the whole run).
         max_blocks: draw at most this many KV blocks (the rest is summarised in one line).
+        with_css: put ``<style>FRAME_CSS</style>`` in front (leave it out when the page has it already).
 
     Returns:
-        A ``<div class="mv-frame" data-step="k">`` string with inline styles only.
+        ``[<style>...</style>]<div class="mv-frame" data-step="k">...</div>``.
 
     Raises:
         ValueError: if ``trace`` is empty, ``k`` is outside ``[0, len(trace))`` or ``max_blocks < 1``.
@@ -211,9 +226,10 @@ def render_frame_html(
     colors = owner_colors(trace) if colors is None else colors
     s = trace[k]
     return (
-        f'<div class="mv-frame" data-step="{s.step}" style="{_FONT}; color:#222; padding:4px">'
-        f'<div class="mv-title" style="font-size:15px"><b>step <span class="mv-step">{s.step}</span></b> '
-        f'<span style="color:#666">of 0&ndash;{trace[len(trace) - 1].step}</span></div>'
+        (f"<style>{FRAME_CSS}</style>" if with_css else "")
+        + f'<div class="mv-frame" data-step="{s.step}">'
+        f'<div class="mv-title"><b>step <span class="mv-step">{s.step}</span></b> '
+        f'<span class="mv-dim">of 0&ndash;{trace[len(trace) - 1].step}</span></div>'
         f"{_budget(s, colors)}{_events(s)}"
         f'{_queue(s, "waiting", s.waiting, colors, "waiting queue (front first)")}'
         f'{_queue(s, "running", s.running, colors, "running queue (admission order)")}'
