@@ -1,0 +1,48 @@
+"""Checkers for the course's "Your turn" exercises.
+
+Each ``check_x(fn)`` runs reference tests against a learner's function. When every test passes it prints
+``✓ x: all N tests passed``. When ``fn`` is still a stub (raises ``NotImplementedError``) it says so and returns.
+Otherwise it raises ``ExerciseFailed`` saying which input failed, what was expected, what came back, and, when the
+wrong answer matches a known mistake, how to fix it. Expected values come from the ``minivllm`` package itself.
+
+Notebook 01 (a Llama layer from parts, generation without a cache):
+    ``check_rms_norm``, ``check_rope``, ``check_gqa_attention``, ``check_swiglu``, ``check_decoder_layer``,
+    ``check_greedy_generate``; ``split_layer_weights`` slices a fused layer into separate matrices.
+Notebook 02 (a contiguous KV cache): ``check_kv_cache``, ``check_cached_attention``.
+Notebook 03 (paged KV blocks): ``check_slot_mapping``, ``check_write_kv``, ``check_gather_kv``,
+    ``check_paged_attention``; ``one_request_metadata`` builds the ``AttentionMetadata`` of a one-request batch.
+Notebook 04 (static versus continuous batching): ``check_static_batching``.
+"""
+
+from minivllm.exercises._harness import ExerciseFailed
+from minivllm.exercises._reference import one_request_metadata, split_layer_weights
+from minivllm.exercises.batching import check_static_batching
+from minivllm.exercises.generation import check_greedy_generate
+from minivllm.exercises.kv_cache import check_cached_attention, check_kv_cache
+from minivllm.exercises.layers import (
+    check_decoder_layer,
+    check_gqa_attention,
+    check_rms_norm,
+    check_rope,
+    check_swiglu,
+)
+from minivllm.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
+
+__all__ = [
+    "ExerciseFailed",
+    "check_cached_attention",
+    "check_decoder_layer",
+    "check_gather_kv",
+    "check_gqa_attention",
+    "check_greedy_generate",
+    "check_kv_cache",
+    "check_paged_attention",
+    "check_rms_norm",
+    "check_rope",
+    "check_slot_mapping",
+    "check_static_batching",
+    "check_swiglu",
+    "check_write_kv",
+    "one_request_metadata",
+    "split_layer_weights",
+]
