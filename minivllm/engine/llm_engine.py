@@ -325,6 +325,11 @@ class LLMEngine:
                     request.stop_reason = stop
                     request.status = RequestStatus.FINISHED_STOPPED
             outputs.append(self._make_output(request, co.new_token_ids, new_text))
+        take_calls = getattr(self.kv_connector, "take_step_calls", None)  # a RecordingConnector
+        if take_calls is not None:
+            calls = take_calls()  # taken every step, so each step's calls land in its own record
+            if record is not None:
+                record.connector_calls = calls
         if record is not None:
             for o in outputs:
                 if o.finished:

@@ -191,7 +191,8 @@ class Scheduler:
                         skipped.append(self.waiting.pop_request())
                         continue
                 num_external, load_async = 0, False
-                if request.num_computed_tokens == 0:
+                queried = request.num_computed_tokens == 0
+                if queried:
                     hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
                     if self.connector is not None:
                         ext = self.connector.get_num_new_matched_tokens(request, num_local)
@@ -217,6 +218,8 @@ class Scheduler:
                     delay_cache_blocks=load_async,
                 )
                 if new_blocks is None:
+                    if not self.running and not num_scheduled_tokens:
+                        self._release_blocks_of_waiting_requests(keep=request)
                     break  # waiting requests never preempt; the queue head waits for blocks
                 if request.num_computed_tokens == 0:
                     self.kv_cache_manager.record_prefix_cache_query(request, num_local)
@@ -228,6 +231,7 @@ class Scheduler:
                 if load_async:
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                     request.num_computed_tokens = num_computed
+                    request.num_external_computed_tokens = num_external
                     skipped.append(request)
                     continue
                 self.running.append(request)
@@ -237,9 +241,11 @@ class Scheduler:
                     new_reqs.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.num_cached_tokens < 0:
-                    request.num_cached_tokens = num_local + num_external
+                    # num_computed, not num_local + num_external: after an async load both are 0 here
+                    request.num_cached_tokens = num_computed
                 request.num_computed_tokens = num_computed
-                request.num_external_computed_tokens = num_external
+                if queried:  # not on the second visit after an async load, which asks nothing
+                    request.num_external_computed_tokens = num_external
                 num_scheduled_tokens[request.request_id] = n
                 new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
                 token_budget -= n
@@ -313,6 +319,27 @@ class Scheduler:
             r.num_computed_tokens += n
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
         self.finished_req_ids = set()
+
+    def _release_blocks_of_waiting_requests(self, keep: Request) -> None:
+        """Deadlock guard for async connector loads: free the blocks that waiting requests hold.
+
+        An async load allocates blocks to a request that then waits. If nothing runs and the queue head does
+        not fit, only those blocks could make room, and their owners sit behind the head: nothing would move
+        again. Their loads are finished (a load still being written keeps its blocks until it is reported), so
+        they are dropped like a preemption (``num_computed_tokens = 0``); the requests ask the connector again.
+        vLLM avoids the same deadlock by admitting async loads only into blocks not reserved for others
+        (``scheduler.py``, "to avoid deadlock").
+        """
+        for r in list(self.waiting):
+            rid = r.request_id
+            if r is keep or not self.kv_cache_manager.get_blocks(rid):
+                continue
+            if r.status == RequestStatus.WAITING_FOR_REMOTE_KVS and rid not in self.finished_recving_kv_req_ids:
+                continue  # its blocks are still being written
+            self.finished_recving_kv_req_ids.discard(rid)
+            self.kv_cache_manager.free(r)
+            r.status = RequestStatus.PREEMPTED if r.num_preemptions > 0 else RequestStatus.WAITING
+            r.num_computed_tokens = 0
 
     def _update_waiting_for_remote_kv(self, request: Request) -> bool:
         """True once an async connector load of ``request`` has finished; then it is schedulable again."""

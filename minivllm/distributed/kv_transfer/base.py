@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 class KVConnectorMetadata:
     """Base class of the per-step message from the scheduler side to the worker side."""
 
+    def describe(self) -> dict:
+        """A small JSON-like summary (request ids, block counts) for traces and tables; empty by default."""
+        return {}
+
 
 class KVConnectorBase(ABC):
     """Abstract KV connector with vLLM's V1 method names."""
