@@ -40,7 +40,9 @@ case "${1:-}" in
   lab)
     install
     shift
-    exec "$VENV/bin/jupyter" lab notebooks/00_tour.ipynb "$@"
+    root_flag=()
+    [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses to run as root without it
+    exec "$VENV/bin/jupyter" lab "${root_flag[@]}" notebooks/00_tour.ipynb "$@"
     ;;
   test)
     install
