@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Dict, Optional
 
 import ipywidgets as widgets
+from ipywidgets.widgets.widget_string import HTMLStyle
 
 from minivllm.engine.trace import SchedulerTrace
 from minivllm.viz.colors import owner_colors
@@ -64,7 +65,11 @@ class QueueAnimator:
         self.frames = [
             render_frame_html(trace, k, colors=colors, max_blocks=max_blocks, with_css=False) for k in range(n)
         ]
-        self.stack = widgets.Stack([widgets.HTML(f) for f in self.frames], selected_index=start)
+        # one shared layout and style model instead of two per frame: a smaller notebook
+        layout, style = widgets.Layout(), HTMLStyle()
+        self.stack = widgets.Stack(
+            [widgets.HTML(f, layout=layout, style=style) for f in self.frames], selected_index=start
+        )
         self.slider = widgets.IntSlider(
             value=start, min=0, max=n - 1, step=1, description="step", continuous_update=True,
             layout=widgets.Layout(width="420px"),
