@@ -212,3 +212,73 @@ def test_animator_plays_in_jupyterlab(lab, tmp_path):
         finally:
             browser.close()
     assert (shots / "animator_playing.png").stat().st_size > 10_000
+
+
+def _npm_pack(dest: Path) -> dict:
+    """Fetch the widget renderer and RequireJS from the npm registry (``npm pack``, no install); skip if that fails.
+
+    Returns ``{"embed": path to embed-amd.js, "require": path to require.js}``.
+    """
+    import tarfile
+
+    if shutil.which("npm") is None:
+        pytest.skip("npm not found: the exported-HTML check needs `npm pack @jupyter-widgets/html-manager@1`")
+    dest.mkdir(parents=True, exist_ok=True)
+    r = subprocess.run(["npm", "pack", "@jupyter-widgets/html-manager@1", "requirejs@2", "--pack-destination",
+                        str(dest)], capture_output=True, text=True, timeout=90)
+    tgz = sorted(dest.glob("*.tgz"))
+    if r.returncode != 0 or len(tgz) != 2:
+        pytest.skip(f"npm pack failed (no access to the npm registry?): {r.stderr.strip()[-300:]}")
+    for t in tgz:
+        with tarfile.open(t) as tf:
+            tf.extractall(dest / t.stem, filter="data")
+    embed = next(dest.glob("jupyter-widgets-html-manager-*/package/dist/embed-amd.js"))
+    require = next(dest.glob("requirejs-*/package/require.js"))
+    return {"embed": embed, "require": require}
+
+
+def test_exported_html_animates_without_a_kernel(tmp_path):
+    """nbconvert's HTML of an executed notebook stores the widget state; with the widget renderer loaded from
+    local files and every network request refused, Play still steps through the pre-rendered frames."""
+    playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
+    import nbformat
+    from nbconvert import HTMLExporter
+    from nbconvert.preprocessors import ExecutePreprocessor
+
+    from minivllm.figures import preemption_run
+
+    js = _npm_pack(tmp_path / "npm")
+    _write_notebook(tmp_path / "animator.ipynb")
+    nb = nbformat.read(tmp_path / "animator.ipynb", as_version=4)
+    ExecutePreprocessor(timeout=120, kernel_name="python3", store_widget_state=True).preprocess(
+        nb, {"metadata": {"path": str(tmp_path)}})
+    html, _ = HTMLExporter(widget_renderer_url=js["embed"].as_uri(), require_js_url=js["require"].as_uri()
+                           ).from_notebook_node(nb)
+    page_file = tmp_path / "animator.html"
+    page_file.write_text(html)
+
+    trace = preemption_run().trace
+    k_change = next(s.step for s in trace if s.step > 4 and (s.waiting, s.running) != (trace[0].waiting,
+                                                                                          trace[0].running))
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS + ["--allow-file-access-from-files"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 1000})
+            page.route("http*://**", lambda route: route.abort())  # no kernel, no CDN: only the file itself
+            page.goto(page_file.as_uri())
+            page.wait_for_selector(".widget-play", timeout=30_000)
+            first = _visible_frame(page)
+            assert first["step"] == 0 and first["running"] == trace[0].running
+            page.locator(".widget-play button").first.click()
+            page.wait_for_function(
+                f"""() => {{ const f = [...document.querySelectorAll('.mv-frame')]
+                                .find(e => e.getClientRects().length > 0);
+                            return f && Number(f.dataset.step) >= {k_change}; }}""",
+                timeout=30_000,
+            )
+            page.locator(".widget-play button").first.click()
+            later = _visible_frame(page)
+            assert later["waiting"] == trace[later["step"]].waiting
+            assert later["running"] == trace[later["step"]].running
+        finally:
+            browser.close()
