@@ -265,7 +265,7 @@ def test_buggy_connector_emits_the_same_load_every_step(lifecycle_ref):
     buggy = BuggyOffloadConnector(16, store=KVBlockStore())
     engine, out = _buggy_scenario(buggy)
     loads = [d["meta"]["load"] for _, d in calls(engine, "build_connector_meta")]
-    assert loads == [{"B": 2}] * len(engine.trace)  # every step, also after B finished
+    assert loads == [{"B": 2}] * len(engine.trace)  # every step, including the one in which B finished
     assert buggy.stats.num_loads["B"] == len(engine.trace)
     assert out["B"] == lifecycle_ref["A"]  # same blocks re-copied: wasteful, not (yet) wrong
     fixed = OffloadConnector(16, store=KVBlockStore())
@@ -290,6 +290,18 @@ def test_buggy_connector_emits_a_request_that_has_no_blocks():
         d = next(d for d in engine.trace[k].connector_calls if d["call"] == "build_connector_meta")
         assert d["meta"]["load"] == {"B": 0}  # "load B" with no block to load into
     assert not calls(engine, "update_state_after_alloc", "B")[0][0] < stuck[-1]
+
+
+def test_buggy_connector_corrupts_other_requests_after_preemption():
+    three = {r: list(range(20 * i + 1, 20 * i + 13)) for i, r in enumerate("ABC")}
+    _, ref = run(three, GREEDY16, block_size=4)
+    buggy = BuggyOffloadConnector(4)
+    engine, out = run(three, GREEDY16, buggy, block_size=4, num_gpu_blocks=10)
+    assert engine.trace.preemptions() == [(1, "C"), (9, "B"), (20, "C")]
+    # C's load, recorded while C waited, targets the block table C had before its preemption: A's and B's now
+    assert out["C"] == ref["C"] and out["A"] != ref["A"] and out["B"] != ref["B"]
+    _, fixed_out = run(three, GREEDY16, OffloadConnector(4), block_size=4, num_gpu_blocks=10)
+    assert fixed_out == ref
 
 
 # ---- bad input -------------------------------------------------------------------------------------------------

@@ -63,9 +63,11 @@ class KVConnectorBase(ABC):
 
     # ---- worker side ----------------------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Optional[KVConnectorMetadata]) -> None:
+        """Before the step runs: hand this step's metadata (from ``build_connector_meta``) to the worker side."""
         self._connector_metadata = metadata
 
     def clear_connector_metadata(self) -> None:
+        """After the step: forget this step's metadata, so nothing acts on it twice."""
         self._connector_metadata = None
 
     def _get_connector_metadata(self) -> Optional[KVConnectorMetadata]:
