@@ -86,6 +86,8 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
         counts = f"prompt {snap.num_prompt_tokens} &middot; {computed} &middot; output {snap.num_output_tokens}"
         if snap.num_preemptions:
             counts += f" &middot; preempted &times;{snap.num_preemptions}"
+        if snap.priority:  # only the priority policy sets it; 0 is the default for everyone
+            counts += f" &middot; priority {snap.priority}"
     else:
         counts = ""
     if kind == "prefill":
