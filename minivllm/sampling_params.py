@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
@@ -67,9 +68,9 @@ class SamplingParams:
 
         if self.n != 1:
             raise bad("n", self.n, "1 (minivllm returns one completion per request)")
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:  # also rejects NaN
             raise bad("top_p", self.top_p, "in (0, 1]")
         if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or (self.top_k < 1 and self.top_k not in (0, -1)):
             raise bad("top_k", self.top_k, ">= 1, or 0 / -1 to disable it")

@@ -8,6 +8,7 @@
 from __future__ import annotations
 
 import itertools
+import numbers
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
@@ -187,13 +188,18 @@ class LLMEngine:
     def _tokenize(self, prompt: PromptType):
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
-                return None, list(prompt["prompt_token_ids"])
+                return self._tokenize(list(prompt["prompt_token_ids"]))
             prompt = prompt.get("prompt")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids ({'prompt_token_ids': [...]})")
             return prompt, list(self.tokenizer.encode(prompt, add_special_tokens=False))
-        if isinstance(prompt, (list, tuple)) or (isinstance(prompt, torch.Tensor) and prompt.dim() == 1):
+        if isinstance(prompt, torch.Tensor) and prompt.dim() == 1 and not prompt.is_floating_point():
+            prompt = prompt.tolist()
+        if isinstance(prompt, (list, tuple)):
+            for t in prompt:
+                if not isinstance(t, numbers.Integral) or isinstance(t, bool):
+                    raise ValueError(f"prompt_token_ids must be ints, got {t!r} ({type(t).__name__})")
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
