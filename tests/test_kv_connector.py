@@ -334,3 +334,36 @@ def test_disk_block_of_another_shape_raises_value_error(tmp_path):
 def test_recording_connector_rejects_non_connectors():
     with pytest.raises(ValueError):
         RecordingConnector(object())
+
+
+# ---- the real model ---------------------------------------------------------------------------------------------
+def test_real_model_text_unchanged_by_offloading(real_llm):
+    from minivllm.model.tokenizer import apply_chat_template
+
+    tok = real_llm.get_tokenizer()
+    system = ("You are a concise assistant for a course on inference engines. The course builds a small engine in the "
+              "style of vLLM: a scheduler with a token budget, a paged KV cache in blocks of sixteen tokens, chunked "
+              "prefill, preemption and prefix caching. Answer every question in one short sentence.")
+    prompts = {
+        str(i): apply_chat_template(tok, [{"role": "system", "content": system}, {"role": "user", "content": q}])
+        for i, q in enumerate(["What is the capital of France?", "What is a KV cache?"])
+    }
+    params = SamplingParams(temperature=0, max_tokens=16)
+    ref = {rid: o.outputs[0].token_ids for rid, o in zip(
+        prompts, real_llm.generate([{"prompt_token_ids": p} for p in prompts.values()], params, use_tqdm=False))}
+    conn = OffloadConnector(16)
+    # the same weights, a new engine with prefix caching off: the second request's shared system prompt can
+    # only come from the connector's store; one at a time, so the first has saved its blocks before the second
+    engine = LLMEngine(real_llm.llm_engine.model, tokenizer=tok, kv_connector=conn, num_gpu_blocks=64,
+                       enable_prefix_caching=False, max_num_seqs=1)
+    for rid, p in prompts.items():
+        engine.add_request(rid, p, params)
+    out = {rid: o.outputs[0].token_ids for rid, o in engine.run_to_completion().items()}
+    assert out == ref
+    a, b = prompts.values()
+    common = next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
+    assert common >= 64
+    # every full block of the shared beginning, and nothing else, came from the store
+    full_blocks = (len(b) + len(out["1"]) - 1) // 16  # the last sampled token has no KV
+    assert conn.stats.for_request("1") == {"loads": 1, "loaded_blocks": common // 16,
+                                            "saved_blocks": full_blocks - common // 16}
