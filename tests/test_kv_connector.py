@@ -17,7 +17,6 @@ from minivllm import LLMEngine, SamplingParams
 from minivllm.distributed.kv_transfer import (
     BuggyOffloadConnector, KVBlockStore, OffloadConnector, RecordingConnector, connector_rows,
 )
-from minivllm.distributed.kv_transfer.kv_store import KVBlockStore as _Store  # noqa: F401  (import path check)
 
 GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 GREEDY10 = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
