@@ -220,8 +220,8 @@ def test_swiglu_mistakes():
 
 
 def test_decoder_layer_mistakes():
-    def no_residual(x, p, w, c):
-        return layer(x, p, w, c) - x - 0  # still has the MLP residual's inner x: not a clean variant
+    def unknown_mistake(x, p, w, c):
+        return layer(x, p, w, c) - x  # matches no known variant: only the general hint applies
 
     fails(ex.check_decoder_layer, lambda x, p, w, c: layer(x, torch.arange(len(x)), w, c),
           "positions [0, 3, 4, 8, 9]", "rotate q and k by `positions`")
@@ -229,7 +229,7 @@ def test_decoder_layer_mistakes():
           "residual connections")
     fails(ex.check_decoder_layer, lambda x, p, w, c: layer_from_parts(x, p, w, c, swap_gate_up=True),
           "gate and up are swapped")
-    msg = fails(ex.check_decoder_layer, no_residual, "decoder_layer is wrong", "Hint:")
+    msg = fails(ex.check_decoder_layer, unknown_mistake, "decoder_layer is wrong", "Hint:")
     assert "run the part checkers first" in msg
 
 
@@ -372,7 +372,8 @@ def test_paged_attention_mistakes():
 
     def top_left(q, c, b, n):
         k, v = ref_gather_kv(c, b, n + q.shape[0])
-        return attention(q, k[: q.shape[0]], v[: q.shape[0]], 0) if n == 0 else attention(q, k, v, 0)[:, :, :] * 1
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1),
+                                              is_causal=True, enable_gqa=True).transpose(0, 1)
 
     fails(ex.check_paged_attention, top_left, "decode", "num_computed + i")
 

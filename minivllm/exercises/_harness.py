@@ -124,7 +124,9 @@ def compare_tensors(
         f"tolerance atol={atol:g}, rtol={rtol:g})"
     )
     if e.numel() <= 8:
-        msg += f"\n    expected {[round(v, 5) for v in e.flatten().tolist()]}\n    got      {[round(v, 5) for v in g.flatten().tolist()]}"
+        exp_vals = [round(v, 5) for v in e.flatten().tolist()]
+        got_vals = [round(v, 5) for v in g.flatten().tolist()]
+        msg += f"\n    expected {exp_vals}\n    got      {got_vals}"
     return msg
 
 
