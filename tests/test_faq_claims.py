@@ -1,0 +1,366 @@
+"""The answers of notebook 10 (FAQ), asserted on the tiny model so that a broken claim fails with a clear name.
+
+Each test is named after its question (q1 ... q9) and checks the same behaviour the notebook demonstrates:
+Q1 when a request is scheduled again, Q2 when a KV connector sees a request again, Q3-Q5 the waiting-loop gate,
+where preempted requests go and why it cannot deadlock, Q6-Q9 what the chunks of a chunked prefill compute, need
+and output. The scenarios are the notebook's, with the tiny random-weight model in place of SmolLM2 for Q6-Q9.
+"""
+
+from unittest import mock
+
+import pytest
+import torch
+
+import minivllm.attention.paged_attention as paged_attention
+from minivllm import LLMEngine, SamplingParams
+from minivllm.core.sched.scheduler import Scheduler
+from minivllm.distributed.kv_transfer import BuggyOffloadConnector, KVBlockStore, OffloadConnector, RecordingConnector
+from minivllm.worker.model_runner import CachedRequestState
+
+LONG_PROMPT = list(range(100, 260))  # 160 tokens
+
+
+def greedy(n):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True)
+
+
+def tiny(**kw):
+    kw.setdefault("enable_prefix_caching", False)
+    return LLMEngine("tiny", record_trace=True, **kw)
+
+
+def run_counting_peeks(engine, before_step=None):
+    """Step until done; per step, how often the waiting loop peeked at the queue and how many requests waited."""
+    peeks, waiting_before = [], []
+    peek = engine.scheduler.waiting.peek_request
+
+    def counting_peek():
+        peeks[-1] += 1
+        return peek()
+
+    engine.scheduler.waiting.peek_request = counting_peek
+    while engine.has_unfinished_requests():
+        if before_step is not None:
+            before_step(len(peeks))
+        peeks.append(0)
+        waiting_before.append(len(engine.scheduler.waiting))
+        engine.step()
+    return peeks, waiting_before
+
+
+def preemption_scenario(**kw):
+    """Notebook 10's [Q3-a]: A, B, C (8-token prompts, 20 outputs) in 9 blocks of 4; D arrives before step 12."""
+    eng = tiny(block_size=4, num_gpu_blocks=9, max_num_batched_tokens=64, **kw)
+    for i, rid in enumerate("ABC"):
+        eng.add_request(rid, list(range(10 * i + 1, 10 * i + 9)), greedy(20))
+
+    def add_d(k):
+        if k == 12:
+            eng.add_request("D", [200, 201, 202], greedy(3))
+
+    peeks, waiting_before = run_counting_peeks(eng, add_d)
+    return eng, peeks, waiting_before
+
+
+@pytest.fixture(scope="module")
+def preempt_run():
+    return preemption_scenario()
+
+
+# ---- Q1 ---------------------------------------------------------------------------------------------------------
+def test_q1_request_scheduled_per_chunk_per_decode_and_again_after_preemption():
+    eng = tiny(block_size=16, num_gpu_blocks=12, max_num_batched_tokens=64, record_inputs=True)
+    eng.add_request("A", list(range(1, 21)), greedy(8))
+    eng.add_request("B", LONG_PROMPT, greedy(4))
+    eng.run_to_completion()
+    tr = eng.trace
+    assert tr.chunk_sizes("A", kind=None) == [20] + [1] * 7
+    assert tr.chunk_sizes("B") == [44, 63, 53, 64, 64, 33]
+    assert tr.preemptions() == [(3, "B")]
+    assert tr.steps_of("B") == [0, 1, 2, 8, 9, 10, 11, 12]
+    assert tr[8].resumed == ["B"] and tr[8].num_computed_before["B"] == 0
+    assert tr[1].kinds == {"A": "decode", "B": "prefill"}  # no separate prefill and decode phases
+
+
+def test_q1_never_twice_in_one_step(preempt_run):
+    eng, _, _ = preempt_run
+    for s in eng.trace:
+        assert not set(s.preempted) & set(s.num_scheduled_tokens)
+        assert not set(s.new) & set(s.resumed)
+        assert len(s.new) + len(s.resumed) + sum(
+            1 for r in s.num_scheduled_tokens if r not in s.new and r not in s.resumed
+        ) == len(s.num_scheduled_tokens)
+
+
+def test_q1_num_computed_tokens_advances_inside_schedule():
+    eng = tiny(max_num_batched_tokens=64)
+    eng.add_request("B", LONG_PROMPT, greedy(1))
+    so = eng.scheduler.schedule()
+    assert so.num_scheduled_tokens == {"B": 64}
+    assert eng.get_request("B").num_computed_tokens == 64
+
+
+# ---- Q2 ---------------------------------------------------------------------------------------------------------
+B_PROMPT = list(range(100, 112))
+
+
+def _warm_store():
+    store = KVBlockStore()
+    eng = LLMEngine("tiny", kv_connector=OffloadConnector(4, store=store), block_size=4, num_gpu_blocks=8)
+    eng.add_request("B0", B_PROMPT, greedy(4))
+    eng.run_to_completion()
+    return store
+
+
+def _connector_run(connector):
+    conn = RecordingConnector(connector, record_layers=False)
+    eng = tiny(kv_connector=conn, block_size=4, num_gpu_blocks=8)
+    eng.add_request("A", list(range(1, 25)), greedy(3))
+    eng.add_request("C", [7, 8], greedy(10))
+    eng.add_request("B", B_PROMPT, greedy(3))
+    eng.run_to_completion()
+    return eng
+
+
+def _calls(eng, name, req_id=None):
+    return [s.step for s in eng.trace for d in s.connector_calls
+            if d["call"] == name and (req_id is None or d.get("req_id") == req_id)]
+
+
+def _loads(eng):
+    return [d["meta"]["load"] for s in eng.trace for d in s.connector_calls if d["call"] == "build_connector_meta"]
+
+
+def test_q2_build_connector_meta_once_per_step_and_waiting_request_asked_every_step():
+    eng = _connector_run(OffloadConnector(4, store=_warm_store()))
+    n = len(eng.trace)
+    assert _calls(eng, "build_connector_meta") == list(range(n))
+    assert _calls(eng, "get_num_new_matched_tokens", "B") == [0, 1, 2, 3]
+    assert _calls(eng, "update_state_after_alloc", "B") == [3]
+    assert _loads(eng) == [{}, {}, {}, {"B": 2}] + [{}] * (n - 4)
+    cached_c = [s.step for s in eng.trace for d in s.connector_calls
+                if d["call"] == "build_connector_meta" and "C" in d["cached"]]
+    assert cached_c == list(range(1, 10))
+
+
+def test_q2_buggy_connector_emits_the_same_request_every_step():
+    eng = _connector_run(BuggyOffloadConnector(4, store=_warm_store()))
+    loads = _loads(eng)
+    last_b = eng.trace.steps_of("B")[-1]
+    assert all("B" in m for m in loads)
+    assert [m["B"] for m in loads] == [0, 0, 0, 2, 2, 2] + [0] * (len(loads) - 6)
+    assert last_b == 5 and len(loads) > last_b + 1  # emitted also after B finished
+
+
+def test_q2_async_load_steps_without_tokens_still_build_meta_and_alloc_twice():
+    conn = RecordingConnector(OffloadConnector(4, load_mode="async", async_load_delay_steps=2, store=_warm_store()),
+                              record_layers=False)
+    eng = tiny(kv_connector=conn, block_size=4, num_gpu_blocks=8)
+    eng.add_request("B", B_PROMPT, greedy(3))
+    eng.run_to_completion()
+    assert [s.total_scheduled for s in eng.trace][:3] == [0, 0, 0]
+    assert _calls(eng, "build_connector_meta") == list(range(len(eng.trace)))
+    allocs = [d["num_external_tokens"] for s in eng.trace for d in s.connector_calls
+              if d["call"] == "update_state_after_alloc"]
+    assert _calls(eng, "update_state_after_alloc", "B") == [0, 3] and allocs == [8, 0]
+
+
+# ---- Q3 ---------------------------------------------------------------------------------------------------------
+def test_q3_waiting_loop_skipped_exactly_in_preempting_steps(preempt_run):
+    eng, peeks, waiting_before = preempt_run
+    preempting = [s.step for s in eng.trace if s.preempted]
+    assert preempting == [5, 9, 24]
+    for s in eng.trace:
+        if s.preempted:
+            assert peeks[s.step] == 0
+        elif waiting_before[s.step]:
+            assert peeks[s.step] >= 1
+    for k in preempting:  # not a persistent state: the next step runs the loop while the victim still waits
+        assert set(eng.trace[k].preempted) <= set(eng.trace[k + 1].waiting) and peeks[k + 1] >= 1
+
+
+def test_q3_resumed_and_new_requests_admitted_by_the_same_loop(preempt_run):
+    eng, peeks, _ = preempt_run
+    assert eng.trace[20].resumed == ["B", "C"] and peeks[20] == 3
+    assert eng.trace[31].resumed == ["C"] and eng.trace[31].new == ["D"]
+
+
+def test_q3_request_that_fits_is_not_admitted_in_a_preempting_step():
+    eng = tiny(block_size=4, num_gpu_blocks=5, max_num_batched_tokens=64, scheduling_policy="priority")
+    eng.add_request("A", list(range(1, 9)), greedy(6), priority=0)
+    eng.add_request("V", list(range(11, 19)), greedy(6), priority=5)
+    peeks, _ = run_counting_peeks(eng, lambda k: k == 1 and eng.add_request("W", [300], greedy(2), priority=1))
+    s1 = eng.trace[1]
+    assert s1.preempted == ["V"] and "W" in s1.waiting and peeks[1] == 0
+    assert s1.num_free_blocks >= 1 and s1.token_budget - s1.total_scheduled >= 1
+    assert len(s1.running) < s1.max_num_seqs
+    assert eng.trace[2].new == ["W"] and "V" in eng.trace[2].waiting
+
+
+# ---- Q4 ---------------------------------------------------------------------------------------------------------
+def test_q4_preempted_reqs_is_a_local_of_schedule(preempt_run):
+    eng, _, _ = preempt_run
+    assert "preempted_reqs" in Scheduler.schedule.__code__.co_varnames
+    assert not hasattr(eng.scheduler, "preempted_reqs")
+
+
+def test_q4_victim_goes_to_front_of_waiting_reset_and_comes_back_resumed(preempt_run):
+    eng, _, _ = preempt_run
+    for k, rid in eng.trace.preemptions():
+        snap = eng.trace[k].requests[rid]
+        assert eng.trace[k].waiting[0] == rid
+        assert snap.status == "PREEMPTED" and snap.num_computed_tokens == 0 and snap.block_ids == []
+        assert snap.num_output_tokens > 0
+        back = next(s for s in eng.trace.steps[k + 1:] if rid in s.resumed)
+        assert rid in eng.trace[back.step - 1].waiting
+        assert back.num_computed_before[rid] == 0 and back.num_scheduled_tokens[rid] == snap.num_tokens
+
+
+def test_q4_outputs_equal_run_without_preemption(preempt_run):
+    eng, _, _ = preempt_run
+    roomy = tiny(block_size=4, num_gpu_blocks=64)
+    for i, rid in enumerate("ABC"):
+        roomy.add_request(rid, list(range(10 * i + 1, 10 * i + 9)), greedy(20))
+    out = roomy.run_to_completion()
+    assert roomy.num_preemptions == 0
+    for rid in "ABC":
+        assert eng.get_request(rid).output_token_ids == out[rid].outputs[0].token_ids
+
+
+# ---- Q5 ---------------------------------------------------------------------------------------------------------
+def test_q5_no_deadlock_but_thrashing(preempt_run):
+    eng, _, _ = preempt_run
+    tr = eng.trace
+    assert sorted(r for s in tr for r in s.finished) == ["A", "B", "C", "D"]
+    assert all(s.total_scheduled > 0 for s in tr)
+    assert all(s.running[0] in s.num_scheduled_tokens for s in tr if s.running)
+    assert eng.get_request("C").num_preemptions == 2 and eng.get_request("A").num_preemptions == 0
+    assert {r: tr.recomputed_tokens(r) for r in "ABCD"} == {"A": 0, "B": 17, "C": 30, "D": 0}
+
+
+def test_q5_prefix_caching_reduces_recompute(preempt_run):
+    eng, _, _ = preempt_run
+    cached, _, _ = preemption_scenario(enable_prefix_caching=True)
+    assert cached.trace.preemptions() == eng.trace.preemptions()
+    for rid in "BC":
+        assert cached.trace.recomputed_tokens(rid) < eng.trace.recomputed_tokens(rid)
+
+
+def test_q5_request_that_never_fits_is_refused(preempt_run):
+    eng, _, _ = preempt_run
+    with pytest.raises(ValueError, match="could never be scheduled"):
+        eng.add_request("huge", list(range(1, 41)), greedy(1))
+    assert "huge" not in eng.scheduler.requests
+
+
+# ---- Q6-Q9 (tiny model, 160-token prompt, budget 64) ------------------------------------------------------------
+def run_prompt(budget, params, after_step=None, keep_hidden=False, **kw):
+    eng = LLMEngine("tiny", max_num_batched_tokens=budget, num_gpu_blocks=32, record_inputs=True, **kw)
+    eng.model_runner.keep_logits = True
+    eng.model_runner.keep_hidden_states = keep_hidden
+    eng.add_request("q", LONG_PROMPT, params)
+    returned, logits, hidden = [], [], []
+    while eng.has_unfinished_requests():
+        returned.append(eng.step())
+        li = eng.model_runner.last_inputs
+        logits.append(li.logits.clone())
+        hidden.append(li.hidden_states.clone() if keep_hidden else None)
+        if after_step is not None:
+            after_step(eng, len(returned) - 1)
+    return eng, returned, logits, hidden
+
+
+@pytest.fixture(scope="module")
+def chunked():
+    return run_prompt(64, greedy(8))
+
+
+@pytest.fixture(scope="module")
+def unchunked():
+    return run_prompt(256, greedy(8), keep_hidden=True)
+
+
+def test_q6_later_chunks_differ_only_in_inputs(chunked):
+    eng = chunked[0]
+    assert eng.trace.chunk_sizes("q") == [64, 64, 32]
+    assert [("q" in s.new) for s in eng.trace.steps[:3]] == [True, False, False]
+    for s, start, q in zip(eng.trace.steps[:3], [0, 64, 128], [64, 64, 32]):
+        x = s.inputs
+        assert x["num_computed_tokens"] == [start] and x["seq_lens"] == [start + q]
+        assert x["positions"] == list(range(start, start + q))
+        assert x["input_ids"] == LONG_PROMPT[start:start + q]
+        table = s.requests["q"].block_ids
+        assert len(table) == -(-(start + q) // 16)
+        assert x["slot_mapping"] == [table[p // 16] * 16 + p % 16 for p in x["positions"]]
+
+
+def test_q6_later_chunks_need_chunk1_only_through_its_kv(chunked, unchunked):
+    _, _, logits_c, _ = chunked
+    _, _, logits_u, _ = unchunked
+    assert torch.allclose(logits_c[2], logits_u[0], atol=1e-4)
+    assert chunked[0].get_request("q").output_token_ids == unchunked[0].get_request("q").output_token_ids
+
+    def zero_chunk1(eng, k):
+        if k == 0:
+            ids = eng.kv_cache_manager.get_block_ids("q")[:4]
+            for cache in eng.model_runner.kv_caches:
+                cache[:, ids] = 0.0
+
+    _, _, logits_z, _ = run_prompt(64, greedy(1), zero_chunk1)
+    assert (logits_z[2] - logits_u[0]).abs().max().item() > 0.1
+    assert not any("hidden" in f or "logit" in f for f in CachedRequestState.__dataclass_fields__)
+
+
+def test_q7_later_chunks_attend_to_earlier_chunks_and_to_themselves(unchunked):
+    mask = paged_attention.chunk_causal_mask(64, 64)
+    assert tuple(mask.shape) == (64, 128) and bool(mask[:, :64].all())
+    assert torch.equal(mask[:, 64:], torch.ones(64, 64, dtype=torch.bool).tril())
+    logits_u = unchunked[2]
+
+    def only_earlier(num_computed, query_len, device=None):
+        keys = torch.arange(num_computed + query_len, device=device)
+        return (keys < num_computed)[None, :].expand(query_len, -1)
+
+    def no_causal(num_computed, query_len, device=None):
+        return torch.ones(query_len, num_computed + query_len, dtype=torch.bool, device=device)
+
+    for wrong in (only_earlier, no_causal):
+        with mock.patch.object(paged_attention, "chunk_causal_mask", wrong):
+            _, _, logits_w, _ = run_prompt(64, greedy(1))
+        # float rounding alone stays below 1e-4 (test_q6); a wrong mask moves the logits by far more
+        assert (logits_w[2] - logits_u[0]).abs().max().item() > 1e-2, wrong.__name__
+
+
+def test_q8_each_chunk_one_lm_head_row_sampled_and_discarded_except_the_last(chunked, unchunked):
+    eng, returned, logits, _ = chunked
+    steps = eng.trace.steps[:3]
+    assert [s.inputs["positions"][s.inputs["logits_indices"][0]] for s in steps] == [63, 127, 159]
+    assert [tuple(l.shape) for l in logits[:3]] == [(1, 512)] * 3
+    assert [s.inputs["discard_mask"] for s in steps] == [[True], [True], [False]]
+    assert returned[0] == [] and returned[1] == []
+    assert returned[2][0].new_token_ids == [steps[2].inputs["sampled"][0]] == eng.get_request("q").output_token_ids[:1]
+    hidden_u = unchunked[3][0]
+    row63 = eng.model.compute_logits(hidden_u[63:64])
+    assert torch.allclose(logits[0], row63, atol=1e-4)  # a real prediction for position 64
+
+
+def test_q9_kv_of_earlier_chunks_reused_by_a_later_request():
+    eng, _, _, _ = run_prompt(64, greedy(1), enable_prefix_caching=True)
+    eng.add_request("again", LONG_PROMPT, greedy(1))
+    out = eng.run_to_completion()["again"]
+    assert out.num_cached_tokens == 144 and eng.trace.chunk_sizes("again") == [16]
+
+
+def test_q9_seeded_stream_untouched_by_discarded_draws():
+    params = SamplingParams(temperature=0.8, seed=42, max_tokens=12, ignore_eos=True)
+    fresh = torch.Generator().manual_seed(42).get_state()
+    states = {}
+
+    def record(eng, k):
+        states[k] = eng.model_runner.requests["q"].generator.get_state()
+
+    eng_c, _, _, _ = run_prompt(64, params, record)
+    eng_u, _, _, _ = run_prompt(256, params)
+    assert torch.equal(states[0], fresh) and torch.equal(states[1], fresh)
+    assert not torch.equal(states[2], fresh)
+    assert eng_c.get_request("q").output_token_ids == eng_u.get_request("q").output_token_ids
