@@ -2,8 +2,9 @@
 
 Each test is named after its question (q1 ... q9) and checks the same behaviour the notebook demonstrates:
 Q1 when a request is scheduled again, Q2 when a KV connector sees a request again, Q3-Q5 the waiting-loop gate,
-where preempted requests go and why it cannot deadlock, Q6-Q9 what the chunks of a chunked prefill compute, need
-and output. The scenarios are the notebook's, with the tiny random-weight model in place of SmolLM2 for Q6-Q9.
+where preempted requests go, the admission gate and why it cannot deadlock, Q6-Q9 what the chunks of a chunked
+prefill compute, need and output. The scenarios are the notebook's, with the tiny random-weight model in place of
+SmolLM2 for Q6-Q9.
 """
 
 from unittest import mock
@@ -143,6 +144,15 @@ def test_q2_build_connector_meta_once_per_step_and_waiting_request_asked_every_s
     assert cached_c == list(range(1, 10))
 
 
+def test_q2_connector_offers_whole_blocks_before_the_last_prompt_token():
+    eng = _connector_run(OffloadConnector(4, store=_warm_store()))
+    store = eng.scheduler.connector.store
+    assert all(store.contains(h) for h in eng.get_request("B").block_hashes[:3])  # all 3 prompt blocks stored
+    offered = [d["result"][0] for s in eng.trace for d in s.connector_calls
+               if d["call"] == "get_num_new_matched_tokens" and d["req_id"] == "B"]
+    assert set(offered) == {(len(B_PROMPT) - 1) // 4 * 4} == {8}  # the block holding the last token is computed
+
+
 def test_q2_buggy_connector_emits_the_same_request_every_step():
     eng = _connector_run(BuggyOffloadConnector(4, store=_warm_store()))
     loads = _loads(eng)
@@ -157,7 +167,18 @@ def test_q2_async_load_steps_without_tokens_still_build_meta_and_alloc_twice():
                               record_layers=False)
     eng = tiny(kv_connector=conn, block_size=4, num_gpu_blocks=8)
     eng.add_request("B", B_PROMPT, greedy(3))
+    checks = []
+    check = eng.scheduler._update_waiting_for_remote_kv
+
+    def counting_check(request):
+        checks.append(len(eng.trace))
+        return check(request)
+
+    eng.scheduler._update_waiting_for_remote_kv = counting_check
     eng.run_to_completion()
+    # visited every step, scheduled (an entry in num_scheduled_tokens) only once the load has finished
+    assert [eng.trace[k].requests["B"].status for k in (0, 1, 2)] == ["WAITING_FOR_REMOTE_KVS"] * 3
+    assert checks == [1, 2, 3] and eng.trace.steps_of("B")[0] == 3 and eng.trace[3].new == ["B"]
     assert [s.total_scheduled for s in eng.trace][:3] == [0, 0, 0]
     assert _calls(eng, "build_connector_meta") == list(range(len(eng.trace)))
     allocs = [d["num_external_tokens"] for s in eng.trace for d in s.connector_calls
@@ -195,6 +216,8 @@ def test_q3_request_that_fits_is_not_admitted_in_a_preempting_step():
     assert s1.num_free_blocks >= 1 and s1.token_budget - s1.total_scheduled >= 1
     assert len(s1.running) < s1.max_num_seqs
     assert eng.trace[2].new == ["W"] and "V" in eng.trace[2].waiting
+    # priority: the later, better-priority arrival W is admitted before the preempted V, which returns in step 6
+    assert eng.trace.steps_of("V")[1] == 6 and eng.trace[6].resumed == ["V"]
 
 
 # ---- Q4 ---------------------------------------------------------------------------------------------------------
@@ -202,6 +225,8 @@ def test_q4_preempted_reqs_is_a_local_of_schedule(preempt_run):
     eng, _, _ = preempt_run
     assert "preempted_reqs" in Scheduler.schedule.__code__.co_varnames
     assert not hasattr(eng.scheduler, "preempted_reqs")
+    # SchedulerOutput.preempted_req_ids is built from the local list: this step's victims only
+    assert [eng.trace[k].preempted for k in (4, 5, 6)] == [[], ["C"], []]
 
 
 def test_q4_victim_goes_to_front_of_waiting_reset_and_comes_back_resumed(preempt_run):
@@ -251,6 +276,28 @@ def test_q5_request_that_never_fits_is_refused(preempt_run):
     with pytest.raises(ValueError, match="could never be scheduled"):
         eng.add_request("huge", list(range(1, 41)), greedy(1))
     assert "huge" not in eng.scheduler.requests
+
+
+def test_q5_pool_too_small_for_max_model_len_is_refused():
+    with pytest.raises(ValueError, match="max_model_len"):
+        LLMEngine("tiny", block_size=4, num_gpu_blocks=9, max_model_len=40)
+
+
+def test_q5_admission_gate_needs_the_whole_prompt_free_then_allocates_per_chunk():
+    eng = tiny(block_size=16, num_gpu_blocks=12, max_num_batched_tokens=128)
+    eng.add_request("A", list(range(1, 51)), greedy(4))
+    eng.add_request("B", LONG_PROMPT, greedy(1))
+    gate = eng.kv_cache_manager.num_blocks_to_admit(eng.get_request("B"))
+    eng.run_to_completion()
+    assert gate == 10
+    waiting = [s for s in eng.trace if "B" in s.waiting]
+    assert [s.step for s in waiting] == [0, 1, 2, 3]
+    for s in waiting:
+        first_chunk_blocks = -(-min(160, s.token_budget - s.total_scheduled) // 16)
+        assert first_chunk_blocks <= s.num_free_blocks < gate  # the first chunk would fit, the whole prompt not
+        assert "B" not in s.num_scheduled_tokens
+    assert eng.trace[4].new == ["B"] and eng.trace[4].num_scheduled_tokens["B"] == 128
+    assert [len(eng.trace[k].requests["B"].block_ids) for k in (4, 5)] == [8, 10]
 
 
 # ---- Q6-Q9 (tiny model, 160-token prompt, budget 64) ------------------------------------------------------------
@@ -311,6 +358,20 @@ def test_q6_later_chunks_need_chunk1_only_through_its_kv(chunked, unchunked):
     assert not any("hidden" in f or "logit" in f for f in CachedRequestState.__dataclass_fields__)
 
 
+def test_q6_inspection_switches_are_never_read_back(chunked):
+    # keep_logits / keep_hidden_states only fill last_inputs; dropping it after every step changes no bit
+    eng = LLMEngine("tiny", max_num_batched_tokens=64, num_gpu_blocks=32)
+    eng.model_runner.keep_logits = True
+    eng.model_runner.keep_hidden_states = True
+    eng.add_request("q", LONG_PROMPT, greedy(1))
+    logits = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        logits.append(eng.model_runner.last_inputs.logits.clone())
+        eng.model_runner.last_inputs = None
+    assert len(logits) == 3 and torch.equal(logits[2], chunked[2][2])
+
+
 def test_q7_later_chunks_attend_to_earlier_chunks_and_to_themselves(unchunked):
     mask = paged_attention.chunk_causal_mask(64, 64)
     assert tuple(mask.shape) == (64, 128) and bool(mask[:, :64].all())
@@ -337,11 +398,13 @@ def test_q8_each_chunk_one_lm_head_row_sampled_and_discarded_except_the_last(chu
     assert [s.inputs["positions"][s.inputs["logits_indices"][0]] for s in steps] == [63, 127, 159]
     assert [tuple(l.shape) for l in logits[:3]] == [(1, 512)] * 3
     assert [s.inputs["discard_mask"] for s in steps] == [[True], [True], [False]]
+    assert [s.num_scheduled_tokens["q"] - len(s.inputs["logits_indices"]) for s in steps] == [63, 63, 31]
     assert returned[0] == [] and returned[1] == []
     assert returned[2][0].new_token_ids == [steps[2].inputs["sampled"][0]] == eng.get_request("q").output_token_ids[:1]
     hidden_u = unchunked[3][0]
     row63 = eng.model.compute_logits(hidden_u[63:64])
     assert torch.allclose(logits[0], row63, atol=1e-4)  # a real prediction for position 64
+    assert logits[0].argmax() == row63.argmax()
 
 
 def test_q9_kv_of_earlier_chunks_reused_by_a_later_request():
