@@ -40,7 +40,8 @@ class SchedulerConfig:
     Args:
         max_num_batched_tokens: the token budget of one step, in tokens.
         max_num_seqs: running requests at most.
-        max_model_len: tokens (prompt + output) per request at most.
+        max_model_len: tokens per request at most; generation stops when a request reaches it (a prompt of
+            exactly ``max_model_len`` tokens still gets one output token, as in vLLM).
         enable_chunked_prefill: a prompt may be split over several steps. When off, every prompt must fit in
             one step's budget, so ``max_num_batched_tokens >= max_model_len`` is required.
         long_prefill_token_threshold: cap on one request's tokens per step (0 = off).
@@ -73,7 +74,8 @@ class SchedulerConfig:
                 f"({self.max_model_len}) with enable_chunked_prefill=False: a long prompt could never be "
                 "scheduled. Enable chunked prefill or raise max_num_batched_tokens."
             )
-        if self.long_prefill_token_threshold < 0:
+        t = self.long_prefill_token_threshold
+        if not isinstance(t, int) or isinstance(t, bool) or t < 0:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")

@@ -82,8 +82,12 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise bad("seed", self.seed, "a non-negative int or None")
+        if self.seed is not None and (
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+        ):
+            raise bad("seed", self.seed, "an int in [0, 2**63 - 1] or None")
+        if not isinstance(self.priority, int) or isinstance(self.priority, bool):
+            raise bad("priority", self.priority, "an int (lower values are served first)")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", s, "a non-empty string")

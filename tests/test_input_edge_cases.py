@@ -46,3 +46,78 @@ def test_stop_strings_wait_for_min_tokens(tok):
     assert det.update(tok.encode(" three one", add_special_tokens=False))[1] == "one"
     # Found only in the text added after min_tokens was passed, not in the earlier occurrences.
     assert det.output_text == " one two one two three "
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**63, -1, True])
+def test_out_of_range_seed_is_rejected_up_front(seed):
+    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63 - 1\]"):
+        SamplingParams(seed=seed)
+    with pytest.raises(ValueError, match="seed must be"):
+        make_tiny_engine(seed=seed)
+
+
+@pytest.mark.parametrize("kw, match", [({"arrival_time": "soon"}, "arrival_time"),
+                                       ({"arrival_time": float("nan")}, "arrival_time"),
+                                       ({"priority": "high"}, "priority"), ({"priority": 1.5}, "priority")])
+def test_bad_arrival_time_or_priority_leaves_the_priority_queue_intact(kw, match):
+    eng = make_tiny_engine(scheduling_policy="priority", num_gpu_blocks=8, block_size=4)
+    eng.add_request("a", [1, 2, 3], SamplingParams(temperature=0, max_tokens=3))
+    with pytest.raises(ValueError, match=match):
+        eng.add_request("b", [4, 5, 6], SamplingParams(temperature=0, max_tokens=3), **kw)
+    outs = eng.run_to_completion(max_steps=50)
+    assert list(outs) == ["a"] and eng.kv_cache_manager.num_free_blocks == 8
+
+
+def test_sampling_params_priority_must_be_int():
+    with pytest.raises(ValueError, match="priority"):
+        SamplingParams(priority=None)
+
+
+@pytest.mark.parametrize("value", [2.5, "4", -1])
+def test_long_prefill_token_threshold_must_be_a_non_negative_int(value):
+    with pytest.raises(ValueError, match="long_prefill_token_threshold"):
+        make_tiny_engine(long_prefill_token_threshold=value)
+
+
+def test_abort_accepts_int_ids_and_rejects_none():
+    eng = make_tiny_engine()
+    eng.add_request(5, [1, 2, 3], SamplingParams(max_tokens=3))
+    assert [o.outputs[0].finish_reason for o in eng.abort_request(5)] == ["abort"]
+    with pytest.raises(ValueError, match="request_ids"):
+        eng.abort_request(None)
+
+
+def test_bad_device_is_a_value_error():
+    with pytest.raises(ValueError, match="device must be 'cpu' or 'cuda'"):
+        make_tiny_engine(device="meta")
+
+
+def test_generate_priority_length_and_chat_messages_are_checked():
+    from minivllm import LLM
+
+    llm = LLM("tiny")
+    with pytest.raises(ValueError, match="priority has 1 entries for 2 prompts"):
+        llm.generate([[1], [2]], priority=[0], use_tqdm=False)
+
+
+def test_chat_rejects_malformed_messages(real_llm):
+    for bad in [{"role": "user", "content": "hi"}, [{"role": "user"}], [{"role": "user", "content": None}], []]:
+        with pytest.raises(ValueError, match="message"):
+            real_llm.chat(bad, use_tqdm=False)
+    assert not real_llm.llm_engine.has_unfinished_requests()
+
+
+def test_stop_token_text_is_left_out_like_vllm(real_llm):
+    tok = real_llm.get_tokenizer()
+    msgs = [{"role": "user", "content": "What is the capital of France?"}]
+    first = real_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)[0].outputs[0]
+    stop_id = first.token_ids[1]
+    for include in (False, True):
+        out = real_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[stop_id],
+                                                 include_stop_str_in_output=include), use_tqdm=False)[0].outputs[0]
+        assert out.token_ids == first.token_ids[:2] and out.finish_reason == "stop" and out.stop_reason == stop_id
+        assert out.text == tok.decode(out.token_ids if include else out.token_ids[:1])
+    # EOS is a special token: with skip_special_tokens=False it would show, unless left out as a stop token.
+    full = real_llm.chat(msgs, SamplingParams(temperature=0, max_tokens=16, skip_special_tokens=False),
+                         use_tqdm=False)[0].outputs[0]
+    assert full.finish_reason == "stop" and full.text == "The capital of France is Paris."

@@ -68,6 +68,8 @@ class LLM:
             params = list(sampling_params)
             if len(params) != len(prompts):
                 raise ValueError(f"sampling_params has {len(params)} entries for {len(prompts)} prompts")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError(f"priority has {len(priority)} entries for {len(prompts)} prompts")
         eng = self.llm_engine
         ids: List[str] = []
         try:
@@ -91,7 +93,16 @@ class LLM:
         tok = self.llm_engine.tokenizer
         if tok is None:
             raise ValueError("chat needs a tokenizer; this model has none")
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        if isinstance(messages, dict) or not isinstance(messages, (list, tuple)) or not messages:
+            raise ValueError("messages must be a non-empty list of {'role': ..., 'content': str} dicts "
+                             "(or a list of such lists)")
+        convs = [messages] if isinstance(messages[0], dict) else messages
+        for conv in convs:
+            if not isinstance(conv, (list, tuple)) or not conv:
+                raise ValueError(f"each conversation must be a non-empty list of messages, got {conv!r}")
+            for m in conv:
+                if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                    raise ValueError(f"each message must be a dict with a str 'role' and a str 'content', got {m!r}")
         prompts = [{"prompt_token_ids": apply_chat_template(tok, c, add_generation_prompt)} for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 

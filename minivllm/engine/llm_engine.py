@@ -46,7 +46,12 @@ def resolve_device(device: Optional[str]) -> torch.device:
     """``None`` -> CPU (the course's reference path); ``"cuda"`` only when a CUDA device exists."""
     if device is None or device == "auto":
         return torch.device("cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
     return dev
@@ -107,6 +112,8 @@ class LLMEngine:
         from minivllm.model.loader import build_tiny_model, load_model
         from minivllm.model.tokenizer import load_tokenizer
 
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
         cache_config = CacheConfig(block_size, num_gpu_blocks, kv_cache_memory_bytes, enable_prefix_caching)
         cache_config.verify()
         torch_dtype = resolve_dtype(dtype)
@@ -253,6 +260,11 @@ class LLMEngine:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if arrival_time is not None and (not isinstance(arrival_time, numbers.Real) or isinstance(arrival_time, bool)
+                                         or arrival_time != arrival_time):
+            raise ValueError(f"arrival_time must be a number of seconds (or None), got {arrival_time!r}")
+        if priority is not None and (not isinstance(priority, int) or isinstance(priority, bool)):
+            raise ValueError(f"priority must be an int (lower values are served first), got {priority!r}")
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
 
@@ -277,9 +289,11 @@ class LLMEngine:
         Their blocks return to the pool at once. Returns a final ``RequestOutput`` (``finish_reason="abort"``)
         for each request that was aborted here.
         """
-        if isinstance(request_ids, str):
+        if request_ids is None:
+            raise ValueError("request_ids must be a request id or an iterable of ids, got None")
+        if isinstance(request_ids, (str, int)):
             request_ids = [request_ids]
-        done = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        done = self.scheduler.finish_requests([str(r) for r in request_ids], RequestStatus.FINISHED_ABORTED)
         self.aborted.extend(r.request_id for r in done)
         return [self._make_output(r, [], "") for r in done]
 
@@ -322,7 +336,10 @@ class LLMEngine:
             new_text = ""
             det = self._detok.get(co.request_id)
             if det is not None and co.new_token_ids:
-                new_text, stop = det.update(co.new_token_ids)
+                ids = co.new_token_ids
+                if co.finish_reason == "stop" and not request.sampling_params.include_stop_str_in_output:
+                    ids = ids[:-1]  # vLLM leaves the text of the EOS / stop token out of the output text
+                new_text, stop = det.update(ids)
                 if stop is not None and not request.is_finished():
                     request.stop_reason = stop
                     stopped_by_string.append(co.request_id)

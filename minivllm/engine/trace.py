@@ -106,12 +106,23 @@ class SchedulerTrace:
         return [(s.step, r) for s in self.steps for r in s.preempted]
 
     def recomputed_tokens(self, request_id: str) -> int:
-        """Tokens computed again because of preemption: prefill tokens beyond the first pass over the prompt."""
-        total = sum(self.chunk_sizes(request_id, "prefill"))
-        first = next((s.requests[request_id].num_prompt_tokens for s in self.steps if request_id in s.requests), 0)
-        cached = next((s.requests[request_id].num_cached_tokens for s in self.steps
-                       if request_id in s.requests and s.requests[request_id].num_cached_tokens >= 0), 0)
-        return max(total - (first - cached), 0)
+        """Tokens of ``request_id`` computed more than once (the cost of its preemptions), in tokens.
+
+        Every scheduled token is one KV computation. The distinct positions that needed one are those from the
+        first admission's prefix-cache hit up to the furthest position ever computed; everything beyond that count
+        was computed again. (The newest sampled token of a preempted request had never been computed: its KV is
+        new work on resume, not recomputation.)
+        """
+        total, furthest, first_cached = 0, 0, None
+        for s in self.steps:
+            n = s.num_scheduled_tokens.get(request_id)
+            if n is None:
+                continue
+            if first_cached is None:
+                first_cached = s.num_computed_before[request_id]
+            total += n
+            furthest = max(furthest, s.num_computed_before[request_id] + n)
+        return total - (furthest - (first_cached or 0))
 
     def to_rows(self) -> List[Dict[str, Any]]:
         """One row per step: the table shown in the notebooks."""
