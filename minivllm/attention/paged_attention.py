@@ -41,6 +41,11 @@ class AttentionMetadata:
             without device synchronisation).
         decode_reqs: indices of requests with exactly one query token (batched together).
         prefill_reqs: indices of requests with more than one query token.
+        decode_token_idx / decode_block_table / decode_key_mask: all decode requests as one padded batch
+            (``int64 [R]`` rows, ``int64 [R, nblk]`` blocks, ``bool [R, 1, 1, nblk * block_size]`` or ``[R, L]``,
+            True for keys past ``seq_len``).
+        decode_groups: the decode requests split into groups of similar length (``DecodeGroup``), so that less
+            padding is gathered; ``None`` means one group made of the three fields above.
     """
 
     query_start_loc: torch.Tensor
@@ -60,10 +65,50 @@ class AttentionMetadata:
     decode_token_idx: Optional[torch.Tensor] = None
     decode_block_table: Optional[torch.Tensor] = None
     decode_key_mask: Optional[torch.Tensor] = None
+    decode_groups: Optional[List["DecodeGroup"]] = None
+    # Gather buffer of the decode path: allocated by the first layer, reused by the others.
+    decode_workspace: Optional[torch.Tensor] = None
 
     @property
     def num_reqs(self) -> int:
         return len(self.query_lens)
+
+    def get_decode_groups(self) -> List["DecodeGroup"]:
+        """``decode_groups``, or the whole decode batch as one group."""
+        if self.decode_groups is None:
+            self.decode_groups = [DecodeGroup(self.decode_token_idx, self.decode_block_table, self.decode_key_mask)]
+        return self.decode_groups
+
+
+@dataclass
+class DecodeGroup:
+    """Decode requests attended together, keys padded to the group's longest request.
+
+    Attributes:
+        token_idx: ``int64 [R]`` rows of these requests' query tokens in the flattened batch.
+        block_table: ``int64 [R, nblk]`` their block ids (padding ids point anywhere; those keys are masked).
+        key_mask: ``bool`` with ``R * nblk * block_size`` elements, True for keys past the request's ``seq_len``.
+        kv_rows: ``decode_kv_rows`` of the group, built by the first layer and reused by the others.
+    """
+
+    token_idx: torch.Tensor
+    block_table: torch.Tensor
+    key_mask: torch.Tensor
+    kv_rows: Optional[torch.Tensor] = None
+
+
+def split_decode_groups(seq_lens: List[int], max_groups: int = 4, min_group_size: int = 16) -> List[List[int]]:
+    """Split decode requests into at most ``max_groups`` groups of similar ``seq_lens`` (each at least
+    ``min_group_size`` requests, so a few long ones do not make everyone gather padding).
+
+    Returns lists of indices into ``seq_lens``, shortest requests first. Padding every request to the longest
+    one gathered 58% more keys than needed on the benchmark's mix; four groups cut that to 14% (see
+    ``minivllm/bench/OPTIMISATIONS.md``). vLLM's kernels read each request's own blocks and need no such split.
+    """
+    n = len(seq_lens)
+    k = max(1, min(max_groups, n // min_group_size))
+    order = sorted(range(n), key=seq_lens.__getitem__)
+    return [order[i * n // k : (i + 1) * n // k] for i in range(k)]
 
 
 def compute_slot_mapping(block_table_row: List[int], positions: List[int], block_size: int) -> List[int]:
@@ -93,11 +138,35 @@ def gather_kv(kv_cache: torch.Tensor, block_ids: torch.Tensor, seq_len: int):
 
     Returns ``(k, v)``, each ``[seq_len, num_kv_heads, head_dim]`` (a copy).
     """
-    _, _, bs, h, d = kv_cache.shape
+    _, nb, bs, h, d = kv_cache.shape
     nblk = -(-seq_len // bs)
-    k = kv_cache[0, block_ids[:nblk]].reshape(nblk * bs, h, d)[:seq_len]
-    v = kv_cache[1, block_ids[:nblk]].reshape(nblk * bs, h, d)[:seq_len]
-    return k, v
+    # index_select on a [2, num_blocks, block_bytes] view copies whole blocks; indexing the 5-d tensor
+    # (kv_cache[0, ids]) copies element by element and was 5x slower.
+    kv = kv_cache.view(2, nb, bs * h * d).index_select(1, block_ids[:nblk]).view(2, nblk * bs, h, d)
+    return kv[0, :seq_len], kv[1, :seq_len]
+
+
+def decode_kv_rows(block_table: torch.Tensor, block_size: int, num_kv_heads: int) -> torch.Tensor:
+    """Row ids of a padded decode batch in the cache seen as rows of ``head_dim`` values.
+
+    With ``kv_cache[k_or_v]`` viewed as ``[num_blocks * block_size * num_kv_heads, head_dim]``, key ``l`` of
+    request ``r`` for KV head ``h`` is row ``slot(r, l) * num_kv_heads + h``. Listing the rows head-major
+    (``[h, r, l]``) lets one ``index_select`` return every head's keys as one contiguous ``[L, head_dim]``
+    matrix per (head, request), which is the layout batched matmul wants.
+
+    Args:
+        block_table: ``int64 [R, nblk]`` block ids of the decode requests (padding ids are masked later).
+        block_size: tokens per block.
+        num_kv_heads: KV heads per layer.
+
+    Returns:
+        ``int64 [num_kv_heads * R * nblk * block_size]``.
+    """
+    r, nblk = block_table.shape
+    offsets = torch.arange(block_size, device=block_table.device)
+    slots = (block_table[:, :, None] * block_size + offsets).reshape(r, nblk * block_size)
+    heads = torch.arange(num_kv_heads, device=block_table.device)
+    return (slots[None] * num_kv_heads + heads[:, None, None]).reshape(-1)
 
 
 def chunk_causal_mask(num_computed: int, query_len: int, device=None) -> torch.Tensor:
@@ -163,22 +232,13 @@ def paged_attention(
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
+    groups = md.get_decode_groups() if md.decode_reqs else []
+    if len(groups) == 1 and not md.prefill_reqs:
+        # Pure decode step: token i is request i's only token, so no row selection is needed.
+        return paged_decode_attention(query, kv_cache, groups[0], md, scale)
     out = torch.empty_like(query)
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = kv_cache.shape[3]
-    group = num_heads // num_kv_heads
-    if md.decode_reqs:
-        tok = md.decode_token_idx
-        r = tok.shape[0]
-        bt = md.decode_block_table  # [R, nblk]
-        nblk = bt.shape[1]
-        k = kv_cache[0, bt].view(r, nblk * md.block_size, num_kv_heads, head_dim).transpose(1, 2)
-        v = kv_cache[1, bt].view(r, nblk * md.block_size, num_kv_heads, head_dim).transpose(1, 2)
-        q = query[tok].view(r, num_kv_heads, group, head_dim)
-        scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [R, kv_heads, group, L]
-        scores.masked_fill_(md.decode_key_mask, float("-inf"))
-        probs = scores.softmax(-1).to(v.dtype)
-        out[tok] = torch.matmul(probs, v).view(r, num_heads, head_dim)
+    for g in groups:
+        out[g.token_idx] = paged_decode_attention(query[g.token_idx], kv_cache, g, md, scale)
     for i in md.prefill_reqs:
         s, q_len, ctx = md.query_start_list[i], md.query_lens[i], md.computed_list[i]
         q = query[s : s + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
@@ -194,3 +254,50 @@ def paged_attention(
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
         out[s : s + q_len] = o.squeeze(0).transpose(0, 1)
     return out
+
+
+def paged_decode_attention(
+    q: torch.Tensor, kv_cache: torch.Tensor, group: DecodeGroup, md: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Attention of decode requests (one query token each): all requests and heads of a group in two batched
+    matmuls.
+
+    The keys are padded to the group's longest request (``L = nblk * block_size``) and masked by
+    ``group.key_mask``. One ``index_select`` gathers K and V head-major (``decode_kv_rows``) into a workspace
+    shared by all layers of the step, so ``bmm`` reads contiguous ``[L, head_dim]`` matrices; reading a head out of
+    the ``[L, kv_heads, head_dim]`` block layout directly makes ``bmm`` copy it first (see
+    ``minivllm/bench/OPTIMISATIONS.md``). Scores and softmax are float32 for every dtype. This is the job of vLLM's
+    ``paged_attention_v1`` kernel (``csrc/attention/attention_kernels.cuh``), which reads the blocks in place
+    instead of gathering them.
+
+    Args:
+        q: ``[R, num_heads, head_dim]``, the group's query rows.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous.
+        group: the group's block table and key mask.
+        md: the step's metadata (``block_size``; holds the shared workspace).
+        scale: softmax scale.
+
+    Returns:
+        ``[R, num_heads, head_dim]`` in ``q``'s dtype.
+    """
+    r, num_heads, head_dim = q.shape
+    num_kv_heads = kv_cache.shape[3]
+    group_size = num_heads // num_kv_heads
+    if group.kv_rows is None:
+        group.kv_rows = decode_kv_rows(group.block_table, md.block_size, num_kv_heads)
+    rows = group.kv_rows
+    need = 2 * rows.numel() * head_dim
+    ws = md.decode_workspace
+    if ws is None or ws.numel() < need or ws.dtype != kv_cache.dtype or ws.device != kv_cache.device:
+        ws = md.decode_workspace = kv_cache.new_empty(need)
+    kv = ws[:need].view(2, rows.numel(), head_dim)
+    torch.index_select(kv_cache.view(2, -1, head_dim), 1, rows, out=kv)
+    length = rows.numel() // (num_kv_heads * r)
+    k = kv[0].view(num_kv_heads * r, length, head_dim)
+    v = kv[1].view(num_kv_heads * r, length, head_dim)
+    qh = q.view(r, num_kv_heads, group_size, head_dim).transpose(0, 1).reshape(num_kv_heads * r, group_size, head_dim)
+    scores = torch.bmm(qh, k.transpose(1, 2)).float().view(num_kv_heads, r, group_size, length)
+    scores.mul_(scale).masked_fill_(group.key_mask.reshape(1, r, 1, length), float("-inf"))
+    probs = scores.softmax(-1).to(v.dtype).view(num_kv_heads * r, group_size, length)
+    o = torch.bmm(probs, v).view(num_kv_heads, r, group_size, head_dim)
+    return o.transpose(0, 1).reshape(r, num_heads, head_dim)

@@ -21,6 +21,7 @@ from minivllm.attention.paged_attention import (
     reference_paged_attention,
     write_kv_cache,
 )
+from minivllm.model.packed_linear import Linear, PackedWeight
 
 
 @dataclass
@@ -74,8 +75,10 @@ class RMSNorm(nn.Module):
 class RotaryEmbedding(nn.Module):
     """Rotary position embedding, half-split ("NeoX") style as in Hugging Face Llama (Su et al. 2021).
 
-    ``cos_sin_cache`` holds ``cos`` and ``sin`` for every position up to ``max_position``, so a token's rotation
-    depends only on its absolute position: a prefill chunk needs nothing from earlier chunks to rotate its q/k.
+    ``cos_cache`` and ``sin_cache`` (``float32 [max_position, head_dim]``) hold the angles of every position, so a
+    token's rotation depends only on its absolute position: a prefill chunk needs nothing from earlier chunks to
+    rotate its q/k. Both are full width so one rotation is ``x * cos + rotate_half(x) * sin`` (as in Hugging
+    Face's ``apply_rotary_pos_emb``); ``sin_cache`` carries the minus sign of ``rotate_half`` in its first half.
     """
 
     def __init__(self, head_dim: int, max_position: int, base: float) -> None:
@@ -83,23 +86,40 @@ class RotaryEmbedding(nn.Module):
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         t = torch.arange(max_position, dtype=torch.float64)
         freqs = torch.outer(t, inv_freq)
+        cos, sin = freqs.cos().float(), freqs.sin().float()
         # Plain attributes, not buffers: model.to(bfloat16) must not round the angles (they stay float32).
-        self.cos_cache = freqs.cos().float()
-        self.sin_cache = freqs.sin().float()
+        self.cos_cache = torch.cat((cos, cos), dim=-1)
+        self.sin_cache = torch.cat((-sin, sin), dim=-1)
+        self._step = None  # (positions, cos, sin) looked up once per forward pass by ``begin_step``
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
+    def begin_step(self, positions: torch.Tensor) -> None:
+        """Look up the angles of ``positions [T]`` once for all layers of this forward pass."""
         if self.cos_cache.device != positions.device:
             self.cos_cache = self.cos_cache.to(positions.device)
             self.sin_cache = self.sin_cache.to(positions.device)
-        cos = self.cos_cache[positions].unsqueeze(1)
-        sin = self.sin_cache[positions].unsqueeze(1)
+        self._step = (positions, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
+
+    def _angles(self, positions: torch.Tensor):
+        if self._step is None or self._step[0] is not positions:
+            self.begin_step(positions)
+        return self._step[1], self._step[2]
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_dim]`` by the angles of ``positions [T]`` (q and k heads may be stacked)."""
+        cos, sin = self._angles(positions)
+        return _rotate(x, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
+        cos, sin = self._angles(positions)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    # Bit-identical to cat(x1*cos - x2*sin, x2*cos + x1*sin) in float32: x2*(-sin) == -(x2*sin) exactly.
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
 
 
 class LlamaAttention(nn.Module):
@@ -112,19 +132,19 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = nn.Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = nn.Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
+        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = backend
         self.rotary_emb: Optional[RotaryEmbedding] = None  # shared, set by LlamaModel
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
         t = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(t, self.num_heads, self.head_dim)
-        k = k.view(t, self.num_kv_heads, self.head_dim)
-        v = v.view(t, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb(positions, q, k)
+        qkv = self.qkv_proj(x)
+        # q and k heads are adjacent columns: rotate them in one pass, then split.
+        qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
+        q, k = self.rotary_emb.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         write_kv_cache(k, v, kv_cache, md.slot_mapping)
         if self.backend == "reference":
             o = reference_paged_attention(q, kv_cache, md, self.scale)
@@ -139,8 +159,8 @@ class LlamaMLP(nn.Module):
     def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
         self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = nn.Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
@@ -188,8 +208,9 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
-            self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.layer_hooks: List = []  # callables (layer_idx, kv_cache) run after each layer (KV connector saves)
+        self._packed_lm_head = PackedWeight()  # the tied LM head is the embedding: packed apart from it
 
     def set_attention_backend(self, backend: str) -> None:
         """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing)."""
@@ -206,6 +227,7 @@ class LlamaForCausalLM(nn.Module):
         Writes every token's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` on the way.
         """
         hidden = self.model.embed_tokens(input_ids)
+        self.model.rotary_emb.begin_step(positions)
         for i, layer in enumerate(self.model.layers):
             hidden = layer(positions, hidden, kv_caches[i], md)
             for hook in self.layer_hooks:
@@ -215,4 +237,4 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
         w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, w).float()
+        return self._packed_lm_head.linear(hidden, w).float()

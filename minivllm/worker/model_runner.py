@@ -8,16 +8,18 @@ request), sample, and return one token per request, or ``[]`` for a request whos
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, List, Optional
 
 import numpy as np
 import torch
 
-from minivllm.attention.paged_attention import AttentionMetadata
+from minivllm.attention.paged_attention import AttentionMetadata, DecodeGroup, split_decode_groups
 from minivllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.cuda_graphs import DecodeGraphRunner
 from minivllm.worker.sampler import Sampler, SamplingMetadata
 
 if TYPE_CHECKING:
@@ -100,21 +102,44 @@ class ModelRunner:
         self.device = torch.device(device)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
-        cfg = model.config
-        dtype = next(model.parameters()).dtype
-        self.dtype = dtype
-        shape = (2, num_gpu_blocks, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # One tensor per layer: [K|V, block, offset in block, kv head, head dim].
-        self.kv_caches: List[torch.Tensor] = [
-            torch.zeros(shape, dtype=dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
-        ]
+        self.dtype = next(model.parameters()).dtype
         self.requests: Dict[str, CachedRequestState] = {}
+        self.kv_caches: List[torch.Tensor] = self._allocate_kv_caches(0)
+        self.graph_runner: Optional[DecodeGraphRunner] = None
+        if self.device.type == "cuda" and os.environ.get("MINIVLLM_ENFORCE_EAGER", "0") != "1":
+            self.enable_decode_graphs()
         self.shared_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(self.shared_generator)
         self.connector = connector
         self.keep_logits = False
         self.keep_hidden_states = False
         self.last_inputs: Optional[StepInputs] = None
+        self._decode_workspace: Optional[torch.Tensor] = None
+
+    def _allocate_kv_caches(self, extra_blocks: int) -> List[torch.Tensor]:
+        cfg = self.model.config
+        shape = (2, self.num_gpu_blocks + extra_blocks, self.block_size, cfg.num_key_value_heads, cfg.head_dim)
+        # One tensor per layer: [K|V, block, offset in block, kv head, head dim].
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+
+    def enable_decode_graphs(self, max_batch: int = 256, emulate: bool = False) -> None:
+        """Replay pure-decode steps from CUDA graphs (``minivllm.worker.cuda_graphs``); on by default on CUDA
+        (``MINIVLLM_ENFORCE_EAGER=1`` turns it off, like vLLM's ``enforce_eager``).
+
+        Re-allocates the KV caches with one scratch block at the end, so call it before any request runs.
+        ``emulate=True`` runs the padded graph inputs eagerly (CPU tests of the padding logic).
+
+        Raises:
+            ValueError: if requests are running, or (without ``emulate``) the device is not CUDA.
+        """
+        if self.requests:
+            raise ValueError("enable_decode_graphs must be called before any request runs")
+        if self.device.type != "cuda" and not emulate:
+            raise ValueError(f"CUDA graphs need a CUDA device, this runner is on {self.device}")
+        self.kv_caches = self._allocate_kv_caches(1)
+        max_blocks = min(self.num_gpu_blocks, -(-self.model.config.max_position_embeddings // self.block_size))
+        self.graph_runner = DecodeGraphRunner(self.model, self.kv_caches, self.block_size, max_batch, max_blocks,
+                                              emulate=emulate)
 
     # ---------------------------------------------------------------------------------------------------------
     def _update_states(self, so: SchedulerOutput) -> None:
@@ -191,6 +216,17 @@ class ModelRunner:
             md.decode_block_table = block_table[decode_reqs, :nblk]
             key_pos = torch.arange(nblk * bs, device=dev)
             md.decode_key_mask = (key_pos[None, :] >= t(dl)[:, None])[:, None, None, :]
+            parts = split_decode_groups(dl)
+            if len(parts) > 1:
+                md.decode_groups = []
+                for part in parts:
+                    reqs = [decode_reqs[j] for j in part]
+                    g_nblk = -(-max(dl[j] for j in part) // bs)
+                    g_pos = torch.arange(g_nblk * bs, device=dev)
+                    md.decode_groups.append(DecodeGroup(
+                        t(qsl[reqs]), block_table[reqs, :g_nblk], g_pos[None, :] >= t([dl[j] for j in part])[:, None]
+                    ))
+        md.decode_workspace = self._decode_workspace  # kept across steps: a fresh 10-50 MB buffer costs page faults
         input_ids = t(np.concatenate([np.asarray(p, dtype=np.int64) for p in ids_parts]))
         logits_indices = md.query_start_loc[1:] - 1
         discard = [seq_lens[i] < len(states[i].token_ids) for i in range(len(states))]
@@ -215,10 +251,18 @@ class ModelRunner:
         if self.connector is not None:
             conn = self.connector
             self.model.layer_hooks = [lambda layer, kv_cache: conn.save_kv_layer(layer, kv_cache, md)]
-        try:
-            hidden = self.model(input_ids, md.positions, self.kv_caches, md)
-        finally:
-            self.model.layer_hooks = []
+        hidden = None
+        if (self.graph_runner is not None and self.connector is None and not md.prefill_reqs
+                and self.model.model.layers[0].self_attn.backend == "sdpa"):
+            hidden = self.graph_runner.run(input_ids, md)  # None when the batch is too large to replay
+            if hidden is not None and self.keep_hidden_states:
+                hidden = hidden.clone()  # the graph's output buffer is overwritten by the next replay
+        if hidden is None:
+            try:
+                hidden = self.model(input_ids, md.positions, self.kv_caches, md)
+            finally:
+                self.model.layer_hooks = []
+        self._decode_workspace = md.decode_workspace
         if self.connector is not None:
             self.connector.wait_for_save()
             finished_sending, finished_recving = self.connector.get_finished(so.finished_req_ids)

@@ -1,0 +1,81 @@
+"""bfloat16 linear layers on the CPU through oneDNN with the weight packed once, not on every call.
+
+A CPU matmul library lays the weight out in the blocked order its inner kernel reads (here oneDNN's AVX512-BF16
+kernel). ``F.linear`` redoes that reordering on every call; for a decode step, whose activations are a handful of
+rows, the reorder costs about as much as the multiplication. Packing each weight once and keeping the packed
+copy halves the time of a batch-1 decode matmul and gains 10-20 % on large batches (measured: see
+``minivllm/bench/OPTIMISATIONS.md``). The result is bit-identical to ``F.linear`` in bfloat16 (both are oneDNN
+underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/model_executor/layers/utils.py``
+``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
+
+Float32 keeps ``F.linear`` (MKL), which is the reference the course compares against token for token; oneDNN's
+float32 results differ in the last bits. Set ``ENABLED = False`` (or ``MINIVLLM_ONEDNN_PACKING=0``) to compare.
+"""
+
+from __future__ import annotations
+
+import os
+import weakref
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+ENABLED = os.environ.get("MINIVLLM_ONEDNN_PACKING", "1") != "0"
+_SUPPORTED: Optional[bool] = None
+
+
+def onednn_bf16_available() -> bool:
+    """True when this PyTorch has oneDNN and the CPU runs bfloat16 matmuls natively (AVX512-BF16 or AMX)."""
+    global _SUPPORTED
+    if _SUPPORTED is None:
+        try:
+            _SUPPORTED = bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except (AttributeError, RuntimeError):
+            _SUPPORTED = False
+    return _SUPPORTED
+
+
+class PackedWeight:
+    """A oneDNN-packed copy of one weight, rebuilt whenever the weight tensor is replaced or modified in place."""
+
+    def __init__(self) -> None:
+        self._ref = None
+        self._version = -1
+        self._packed: Optional[torch.Tensor] = None
+
+    def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        return (
+            ENABLED
+            and x.device.type == "cpu"
+            and x.dtype == torch.bfloat16
+            and weight.dtype == torch.bfloat16
+            and x.dim() == 2
+            and not torch.is_grad_enabled()  # the packed op has no backward
+            and onednn_bf16_available()
+        )
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when
+        ``usable``, else ``F.linear``."""
+        if not self.usable(x, weight):
+            return F.linear(x, weight, bias)
+        if self._ref is None or self._ref() is not weight or self._version != weight._version:
+            self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
+            self._ref, self._version = weakref.ref(weight), weight._version
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` whose bfloat16 CPU forward multiplies with a packed copy of the weight (see module doc).
+
+    The parameters, ``state_dict`` and every other path are ``nn.Linear``'s.
+    """
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self._packed_weight = PackedWeight()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._packed_weight.linear(x, self.weight, self.bias)
