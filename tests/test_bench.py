@@ -1,0 +1,178 @@
+"""The benchmark: seeded workloads, the transformers peer computes the same greedy tokens as minivllm, the
+metrics are computed right, the CLI writes every field; and the padded decode inputs of the CUDA-graph path
+(emulated on the CPU) give the same tokens as the eager path. No timing is asserted anywhere."""
+
+import json
+import random
+
+import pytest
+import torch
+
+from minivllm import LLMEngine, SamplingParams
+from minivllm.bench.engine_run import run_engine
+from minivllm.bench.hf_peer import hf_model_from_minivllm, run_hf_generate
+from minivllm.bench.metrics import result_from_timestamps
+from minivllm.bench.workload import (
+    FIRST_TOKEN_ID,
+    Workload,
+    latency_workload,
+    random_workload,
+    shared_prefix_workload,
+)
+from minivllm.model.loader import build_tiny_model
+
+
+@pytest.fixture
+def one_thread():
+    """HF's many small ops crawl with 2 OpenMP threads on a busy 2-core machine; restore the count after."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def test_random_workload_is_seeded_and_in_range():
+    a = random_workload(20, (100, 300), (32, 128), vocab_size=49152, seed=3)
+    b = random_workload(20, (100, 300), (32, 128), vocab_size=49152, seed=3)
+    c = random_workload(20, (100, 300), (32, 128), vocab_size=49152, seed=4)
+    assert a.prompts == b.prompts and a.max_tokens == b.max_tokens
+    assert a.prompts != c.prompts
+    assert all(100 <= len(p) <= 300 for p in a.prompts)
+    assert all(32 <= m <= 128 for m in a.max_tokens)
+    assert all(FIRST_TOKEN_ID <= t < 49152 for p in a.prompts for t in p)
+    assert a.num_output_tokens == sum(a.max_tokens)
+    assert a.subset(5).prompts == a.prompts[:5]
+
+
+def test_shared_prefix_and_latency_workloads():
+    w = shared_prefix_workload(8, prefix_len=40, suffix_len=(3, 9), output_len=(2, 4), vocab_size=512, seed=1)
+    prefix = w.prompts[0][:40]
+    assert all(p[:40] == prefix for p in w.prompts)
+    assert all(3 <= len(p) - 40 <= 9 for p in w.prompts)
+    assert len({tuple(p[40:]) for p in w.prompts}) == 8
+    lat = latency_workload(160, 64, vocab_size=49152, seed=0)
+    assert lat.num_requests == 1 and len(lat.prompts[0]) == 160 and lat.max_tokens == [64]
+    assert Workload.from_dict(json.loads(json.dumps(w.to_dict()))).prompts == w.prompts
+
+
+@pytest.mark.parametrize("kwargs, name", [
+    (dict(num_requests=0), "num_requests"),
+    (dict(prompt_len=(10, 5)), "prompt_len"),
+    (dict(output_len=(0, 4)), "output_len"),
+    (dict(vocab_size=10), "vocab_size"),
+])
+def test_bad_workload_arguments_name_the_parameter(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        random_workload(**kwargs)
+
+
+def test_metrics_from_timestamps():
+    w = Workload("w", [[1, 2, 3], [4, 5]], [3, 2])
+    r = result_from_timestamps("x", w, [[1.0, 1.5, 2.5], [2.0, 2.5]], start=0.0, end=4.0)
+    assert r.output_tokens == 5 and r.prompt_tokens == 5
+    assert r.output_tok_s == pytest.approx(5 / 4) and r.total_tok_s == pytest.approx(10 / 4)
+    assert r.ttft_p50_s == pytest.approx(1.5)  # TTFTs 1.0 and 2.0
+    assert r.itl_p50_s == pytest.approx(0.5)  # gaps 0.5, 1.0, 0.5
+    assert r.itl_p99_s == pytest.approx(0.99)  # numpy's linear interpolation between 0.5 and 1.0
+    assert r.decode_tok_s is None
+    one = result_from_timestamps("x", Workload("l", [[1]], [3]), [[1.0, 1.25, 1.5]], 0.0, 1.5)
+    assert one.decode_tok_s == pytest.approx(4.0)
+
+
+def test_transformers_peer_equals_minivllm_on_tiny_model(one_thread):
+    """Left-padded static batches through HF's own Llama code give minivllm's greedy tokens (fp32)."""
+    model = build_tiny_model()
+    w = random_workload(7, (5, 60), (3, 24), vocab_size=512, seed=2)
+    hf = run_hf_generate(hf_model_from_minivllm(model), w, batch_size=3, progress=False)
+    ours = run_engine(LLMEngine(model, enable_prefix_caching=False), w, progress=False)
+    assert [len(t) for t in ours.token_ids] == w.max_tokens
+    assert hf.token_ids == ours.token_ids
+    assert hf.output_tokens == ours.output_tokens == w.num_output_tokens
+
+
+def test_transformers_peer_equals_minivllm_on_real_model(real_llm, one_thread):
+    w = random_workload(3, (20, 50), (6, 10), vocab_size=49152, seed=5)
+    hf = run_hf_generate(hf_model_from_minivllm(real_llm.llm_engine.model), w, batch_size=3, progress=False)
+    ours = run_engine(real_llm.llm_engine, w, progress=False)
+    assert hf.token_ids == ours.token_ids
+
+
+def test_cli_writes_every_field(tmp_path, one_thread):
+    from minivllm.bench.cli import main
+
+    path = tmp_path / "bench.json"
+    argv = ["--model", "tiny", "--dtype", "float32", "--threads", "1", "--num-requests", "5", "--prompt-len", "8",
+            "30", "--output-len", "2", "6", "--latency-prompt-len", "12", "--latency-output-len", "5",
+            "--prefix-len", "32", "--suffix-len", "2", "6", "--repeats", "2", "--hf-batch-size", "2", "--peers",
+            "hf,vllm", "--no-progress", "--json", str(path)]
+    assert main(argv) == 0
+    data = json.loads(path.read_text())
+    assert set(data["results"]) == {"throughput", "latency", "prefix"}
+    assert set(data["results"]["prefix"]) == {"minivllm", "minivllm-no-prefix-cache", "transformers"}
+    fields = {"output_tok_s", "total_tok_s", "ttft_p50_s", "ttft_p99_s", "itl_p50_s", "itl_p99_s", "peak_mem_mib",
+              "num_preemptions", "elapsed_s", "config"}
+    for case, systems in data["results"].items():
+        for name, entry in systems.items():
+            assert fields <= set(entry["median"]), (case, name)
+            assert len(entry["runs"]) == 2
+            assert entry["median"]["output_tokens"] == data["workloads"][case]["output_tokens"]
+    assert data["results"]["latency"]["minivllm"]["median"]["decode_tok_s"] > 0
+    assert set(data["ratios"]["throughput"]) == {"transformers"}
+    assert "vllm" in data["skipped"]  # the tiny model has no tokenizer, and vllm is not a course dependency
+    assert data["environment"]["torch_threads"] == 1
+    # The shared prefix was served from the cache by the run with prefix caching on.
+    cached = data["results"]["prefix"]["minivllm"]["median"]["config"]
+    assert cached["enable_prefix_caching"] is True
+
+
+def test_cli_rejects_bad_arguments(capsys):
+    from minivllm.bench.cli import main
+
+    assert main(["--cases", "throughput,nope"]) == 2
+    assert "--cases" in capsys.readouterr().err
+    assert main(["--repeats", "0"]) == 2
+
+
+def test_export_for_vllm_loads_in_transformers(tmp_path, real_llm):
+    """The folder handed to vLLM is a plain Hugging Face checkpoint with the same weights."""
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.bench.vllm_peer import export_hf_folder, vllm_python_has_vllm
+
+    model = build_tiny_model()
+    export_hf_folder(model, real_llm.get_tokenizer(), str(tmp_path / "m"), torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "m"), dtype=torch.float32).eval()
+    ids = torch.tensor([[20, 31, 400, 7, 99]])
+    with torch.no_grad():
+        ref = hf(ids).logits[0, -1]
+    eng = LLMEngine(model, enable_prefix_caching=False)
+    eng.model_runner.keep_logits = True
+    eng.add_request(None, {"prompt_token_ids": ids[0].tolist()}, SamplingParams(temperature=0, max_tokens=1))
+    eng.step()
+    assert torch.allclose(eng.model_runner.last_inputs.logits[0], ref, atol=1e-4)
+    assert isinstance(vllm_python_has_vllm(), bool)
+
+
+def test_decode_graph_padding_matches_eager():
+    """The CUDA-graph path pads decode batches into static buffers; emulated on the CPU it must give the eager
+    path's tokens, and most steps of this mix must go through it."""
+
+    def run(emulate):
+        eng = LLMEngine("tiny", enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=16)
+        if emulate:
+            eng.model_runner.enable_decode_graphs(max_batch=12, emulate=True)
+        rng = random.Random(0)
+        for i in range(12):
+            eng.add_request(str(i), {"prompt_token_ids": [rng.randrange(17, 512) for _ in range(rng.randint(5, 90))]},
+                            SamplingParams(temperature=0, max_tokens=rng.randint(3, 40), ignore_eos=True))
+        out = eng.run_to_completion()
+        return {k: v.outputs[0].token_ids for k, v in out.items()}, eng
+
+    eager, _ = run(False)
+    padded, eng = run(True)
+    assert padded == eager
+    assert eng.model_runner.graph_runner.num_replays > eng.scheduler.stats.num_steps // 2
+    with pytest.raises(ValueError, match="before any request"):
+        eng.add_request("late", {"prompt_token_ids": [20, 21]}, SamplingParams(max_tokens=2))
+        eng.step()
+        eng.model_runner.enable_decode_graphs(emulate=True)
