@@ -260,7 +260,13 @@ def test_q5_no_deadlock_but_thrashing(preempt_run):
     assert all(s.total_scheduled > 0 for s in tr)
     assert all(s.running[0] in s.num_scheduled_tokens for s in tr if s.running)
     assert eng.get_request("C").num_preemptions == 2 and eng.get_request("A").num_preemptions == 0
-    assert {r: tr.recomputed_tokens(r) for r in "ABCD"} == {"A": 0, "B": 17, "C": 30, "D": 0}
+    assert {r: tr.recomputed_tokens(r) for r in "ABCD"} == {"A": 0, "B": 16, "C": 28, "D": 0}
+    # the same from first principles: every token scheduled minus the distinct positions that needed KV
+    # (prompt + outputs - 1: the last sampled token is never fed back)
+    for r in "ABCD":
+        req = eng.get_request(r)
+        needed = req.num_prompt_tokens + req.num_output_tokens - 1
+        assert tr.recomputed_tokens(r) == sum(tr.chunk_sizes(r, kind=None)) - needed
 
 
 def test_q5_prefix_caching_reduces_recompute(preempt_run):

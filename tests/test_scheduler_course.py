@@ -169,16 +169,23 @@ def test_long_prefill_mixed_with_decodes():
 @pytest.mark.parametrize("prompt_len,budget,num_decoding,expected", [
     (160, 64, 0, [64, 64, 32]), (160, 64, 2, [62, 62, 36]), (100, 32, 3, [29, 29, 29, 13]),
     (50, 64, 1, [50]), (64, 64, 1, [63, 1]),
+    (20, 4, 4, []),  # the decoders use the whole budget (and every seat): the prompt gets nothing while they run
 ])
 def test_running_decodes_take_the_budget_first(prompt_len, budget, num_decoding, expected):
+    """Notebook 05's exercise (predict_chunks) and its checker: the same cases, the same bounded loop."""
     eng = LLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_trace=True)
     for i in range(num_decoding):
         eng.add_request(f"d{i}", [7 + i], SamplingParams(temperature=0, max_tokens=1000))
     eng.step()
     eng.add_request("p", list(range(1, prompt_len + 1)), GREEDY)
-    while "p" in eng.scheduler.requests:
+    for _ in range(prompt_len + 5):  # enough for any prompt that gets at least one token per step
+        if "p" not in eng.scheduler.requests:
+            break
         eng.step()
     assert eng.trace.chunk_sizes("p") == expected
+    assert ("p" in eng.scheduler.requests) == (expected == [])
+    if expected == []:  # ... while every decoder ran in every step
+        assert all(len(s.num_scheduled_tokens) == num_decoding for s in eng.trace[1:])
 
 
 # ---- notebook 06: preemption --------------------------------------------------------------------------------
@@ -275,7 +282,9 @@ def test_thrashing_costs_recomputed_tokens_but_not_output():
     assert eng.trace.preemptions() == [(5, "E"), (9, "E"), (13, "E"), (25, "E")]
     assert eng.get_request("E").num_preemptions == 4
     assert eng.trace.chunk_sizes("E") == [4, 9, 10, 11, 20]
-    assert {r: eng.trace.recomputed_tokens(r) for r in "ABCDE"} == {"A": 0, "B": 0, "C": 0, "D": 0, "E": 50}
+    assert {r: eng.trace.recomputed_tokens(r) for r in "ABCDE"} == {"A": 0, "B": 0, "C": 0, "D": 0, "E": 46}
+    # notebook 06: E needed 4 + 20 - 1 = 23 positions, was scheduled 69 tokens: 46 computed twice, 2.0x the need
+    assert sum(eng.trace.chunk_sizes("E", kind=None)) - (4 + 20 - 1) == 46
     assert sum(s.total_scheduled for s in eng.trace) == 147
     roomy, roomy_out = _thrash_run(64)
     assert roomy.num_preemptions == 0 and _token_ids(roomy_out) == _token_ids(out)
@@ -289,7 +298,10 @@ def test_prefix_caching_cuts_the_recompute():
     eng, _ = _thrash_run(prefix_caching=True)
     assert eng.trace.preemptions() == [(5, "E"), (9, "E"), (13, "E"), (25, "E")]
     assert eng.trace.chunk_sizes("E") == [4, 9, 10, 3, 8]
-    assert eng.trace.recomputed_tokens("E") == 30
+    # the last two resumes start from 8 and 12 cached tokens, so they compute only 3 and 8
+    assert [s.num_computed_before["E"] for s in eng.trace if "E" in s.resumed] == [0, 0, 8, 12]
+    assert eng.trace.recomputed_tokens("E") == 26
+    assert sum(eng.trace.chunk_sizes("E", kind=None)) - (4 + 20 - 1) == 26
 
 
 def test_fcfs_preempts_the_newest_priority_the_least_important():
