@@ -115,7 +115,7 @@ BAD_PARAMS = [
     ("negative stop token id", dict(stop_token_ids=[-3]), ["stop_token_ids", "non-negative", "got -3"]),
     ("empty stop string", dict(stop=[""]), ["stop", "non-empty", "got ''"]),
     ("n > 1", dict(n=2), ["n must be 1", "got 2"]),
-    ("negative seed", dict(seed=-1), ["seed", "non-negative", "got -1"]),
+    ("negative seed", dict(seed=-1), ["seed", "[0, 2**63 - 1]", "got -1"]),
 ]
 
 
