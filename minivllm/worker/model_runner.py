@@ -216,7 +216,9 @@ class ModelRunner:
             md.decode_block_table = block_table[decode_reqs, :nblk]
             key_pos = torch.arange(nblk * bs, device=dev)
             md.decode_key_mask = (key_pos[None, :] >= t(dl)[:, None])[:, None, None, :]
-            parts = split_decode_groups(dl)
+            # Each group costs a few more operators; with two threads each operator also costs a barrier, and two
+            # groups measured faster than four (one thread: four).
+            parts = split_decode_groups(dl, max_groups=4 if torch.get_num_threads() == 1 else 2)
             if len(parts) > 1:
                 md.decode_groups = []
                 for part in parts:
