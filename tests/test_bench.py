@@ -176,3 +176,39 @@ def test_decode_graph_padding_matches_eager():
         eng.add_request("late", {"prompt_token_ids": [20, 21]}, SamplingParams(max_tokens=2))
         eng.step()
         eng.model_runner.enable_decode_graphs(emulate=True)
+
+
+def test_step_cost_counts_flops_and_bytes():
+    """Hand count for the tiny model (hidden 64, intermediate 128, 2 layers, 4 heads / 2 KV heads of 16, vocab
+    512): one request prefilling 3 tokens with no context."""
+    from minivllm.bench.roofline import step_cost
+    from minivllm.model.loader import tiny_llama_config
+
+    c = step_cost(tiny_llama_config(), torch.float32, context_lens=[0], query_lens=[3])
+    per_layer = 64 * (64 + 2 * 32) + 64 * 64 + 3 * 64 * 128  # qkv, o, gate+up+down
+    flops = 2 * 2 * per_layer * 3 + 2 * 64 * 512 + 4 * 4 * 16 * (1 + 2 + 3) * 2  # linears, LM head, causal pairs
+    assert c.flops == flops == 510976
+    assert c.bytes == (2 * per_layer + 64 * 512) * 4 + 6 * (2 * 2 * 2 * 16 * 4) == 429056
+    assert c.intensity == pytest.approx(510976 / 429056)
+
+
+def test_step_profile_groups_operators():
+    from minivllm.bench.step_profile import OTHER, OVERHEAD, categorise, profile_step
+
+    assert categorise("aten::bmm") == "attention: QK^T, softmax, PV"
+    assert categorise("aten::mm") == "linear layers + LM head"
+    assert categorise("mkldnn::_linear_pointwise") == "linear layers + LM head"
+    assert categorise("aten::index_select") == "attention: KV gather"
+    assert categorise("aten::rsqrt") == OTHER
+    eng = LLMEngine("tiny", enable_prefix_caching=False)
+    for n in (9, 30):
+        eng.add_request(None, {"prompt_token_ids": list(range(20, 20 + n))},
+                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    eng.step()
+    prof = profile_step(eng)  # a decode step of 2 requests
+    assert prof.by_category["linear layers + LM head"] > 0 and prof.by_category["attention: KV gather"] > 0
+    assert prof.by_category[OVERHEAD] >= 0
+    assert sum(prof.by_category.values()) >= prof.wall_s * 0.999
+    with pytest.raises(ValueError, match="no request"):
+        eng.run_to_completion()
+        profile_step(eng)
