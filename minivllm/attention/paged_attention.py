@@ -12,7 +12,8 @@ top-left aligned, so it is only right when the context length is 0.
 Two implementations compute the same thing:
 
 * ``reference_paged_attention``: one request at a time, explicit gather and mask; the one to read.
-* ``paged_attention``: decodes of all requests in one batched matmul; prefill chunks with PyTorch SDPA.
+* ``paged_attention``: decodes in batched matmuls (a few groups of similar length); prefill chunks with PyTorch
+  SDPA.
 """
 
 from __future__ import annotations
@@ -216,8 +217,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """The fast path: equal to ``reference_paged_attention`` up to float rounding.
 
-    Decode requests (one query token each) are gathered into a padded ``[R, kv_heads, L, head_dim]`` batch and
-    handled by two batched matmuls with a key-length mask. Each prefill chunk goes through PyTorch's
+    Decode requests (one query token each) are split into groups of similar length (``md.get_decode_groups``);
+    each group's keys are gathered into a padded batch and handled by two batched matmuls with a key-length mask
+    (``paged_decode_attention``). Each prefill chunk goes through PyTorch's
     ``scaled_dot_product_attention``: with ``is_causal=True`` straight on this step's keys when the chunk has no
     context (then top-left and bottom-right alignment coincide), otherwise on keys gathered through the block
     table with the shifted causal mask.
@@ -292,9 +294,10 @@ def paged_decode_attention(
         ws = md.decode_workspace = kv_cache.new_empty(need)
     kv = ws[:need].view(2, rows.numel(), head_dim)
     flat = kv_cache.view(2, -1, head_dim)
-    if kv_cache.device.type == "cpu" and torch.get_num_threads() > 1:
+    if kv_cache.device.type == "cpu" and torch.get_num_threads() > 1 and rows.numel() >= 16384:
         # On the CPU, index_select along dim 0 splits the rows over threads; along dim 1 (below) it runs on one
         # thread but is faster there (measured: 1 thread 3.5 vs 2.2 ms, 2 threads 1.6 vs 2.2 ms for 64 requests).
+        # A small gather is not worth waking the other threads (a batch-1 step waits for them on a busy machine).
         torch.index_select(flat[0], 0, rows, out=kv[0])
         torch.index_select(flat[1], 0, rows, out=kv[1])
     else:

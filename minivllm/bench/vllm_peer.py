@@ -86,6 +86,7 @@ def run_vllm(
         job_path, out_path = os.path.join(tmp, "job.json"), os.path.join(tmp, "out.json")
         with open(job_path, "w") as f:
             json.dump(job, f)
+        load_before = list(os.getloadavg())
         env = dict(os.environ, VLLM_TARGET_DEVICE="cpu", HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if threads:
@@ -109,7 +110,9 @@ def run_vllm(
                 output_tokens=n_out, elapsed_s=el, output_tok_s=n_out / el, total_tok_s=(n_out + w.num_prompt_tokens) / el,
                 ttft_p50_s=run.get("ttft_s"), ttft_p99_s=run.get("ttft_s"), decode_tok_s=run.get("decode_tok_s"),
                 config={"dtype": dtype, "threads": threads, "vllm_version": out.get("vllm_version"),
-                        "enable_prefix_caching": run.get("enable_prefix_caching")},
+                        "enable_prefix_caching": run.get("enable_prefix_caching"),
+                        # one child runs every workload: the load around the whole child, not per run
+                        "loadavg_before": load_before, "loadavg_after": list(os.getloadavg())},
                 token_ids=run["token_ids"],
             ))
     return results
