@@ -24,6 +24,8 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
+from minivllm import custom_ops
+
 
 @dataclass
 class AttentionMetadata:
@@ -47,6 +49,8 @@ class AttentionMetadata:
             True for keys past ``seq_len``).
         decode_groups: the decode requests split into groups of similar length (``DecodeGroup``), so that less
             padding is gathered; ``None`` means one group made of the three fields above.
+        decode_seq_lens: ``int64 [R]`` keys of each decode request, set when the step runs the CPU kernel
+            ``custom_ops.paged_attention_decode`` (which needs no mask, groups or workspace).
     """
 
     query_start_loc: torch.Tensor
@@ -69,6 +73,7 @@ class AttentionMetadata:
     decode_groups: Optional[List["DecodeGroup"]] = None
     # Gather buffer of the decode path: allocated by the first layer, reused by the others.
     decode_workspace: Optional[torch.Tensor] = None
+    decode_seq_lens: Optional[torch.Tensor] = None
 
     @property
     def num_reqs(self) -> int:
@@ -217,7 +222,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """The fast path: equal to ``reference_paged_attention`` up to float rounding.
 
-    Decode requests (one query token each) are split into groups of similar length (``md.get_decode_groups``);
+    In bfloat16 on the CPU, when the model runner prepared ``md.decode_seq_lens``, the decode requests run through
+    the C++ kernel ``custom_ops.paged_attention_decode``, which reads each request's blocks in place. Otherwise,
+    decode requests (one query token each) are split into groups of similar length (``md.get_decode_groups``);
     each group's keys are gathered into a padded batch and handled by two batched matmuls with a key-length mask
     (``paged_decode_attention``). Each prefill chunk goes through PyTorch's
     ``scaled_dot_product_attention``: with ``is_causal=True`` straight on this step's keys when the chunk has no
@@ -234,11 +241,17 @@ def paged_attention(
     Returns:
         ``[num_tokens, num_heads, head_dim]``.
     """
-    groups = md.get_decode_groups() if md.decode_reqs else []
-    if len(groups) == 1 and not md.prefill_reqs:
-        # Pure decode step: token i is request i's only token, so no row selection is needed.
-        return paged_decode_attention(query, kv_cache, groups[0], md, scale)
-    out = torch.empty_like(query)
+    out = query.new_empty(query.shape)
+    if md.decode_reqs and md.decode_seq_lens is not None and custom_ops.usable(query):
+        custom_ops.paged_attention_decode(
+            out, query, kv_cache, md.decode_block_table, md.decode_seq_lens, md.decode_token_idx, scale
+        )
+        groups = []
+    else:
+        groups = md.get_decode_groups() if md.decode_reqs else []
+        if len(groups) == 1 and not md.prefill_reqs:
+            # Pure decode step: token i is request i's only token, so no row selection is needed.
+            return paged_decode_attention(query, kv_cache, groups[0], md, scale)
     for g in groups:
         out[g.token_idx] = paged_decode_attention(query[g.token_idx], kv_cache, g, md, scale)
     for i in md.prefill_reqs:

@@ -88,7 +88,8 @@ def run_reference_layer(layer: LlamaDecoderLayer, x: torch.Tensor, positions: to
     cache = torch.zeros(2, nblk, bs, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
     md = one_request_metadata(list(range(nblk)), 0, t, bs, positions=positions)
     with torch.no_grad():
-        return layer(positions, x, cache, md)
+        out, residual = layer(positions, x.clone(), cache, md)  # the kernels may write their inputs in place
+        return out + residual
 
 
 def split_layer_weights(layer: LlamaDecoderLayer) -> Dict[str, torch.Tensor]:

@@ -21,6 +21,7 @@ from minivllm.attention.paged_attention import (
     reference_paged_attention,
     write_kv_cache,
 )
+from minivllm import custom_ops
 from minivllm.model.packed_linear import Linear, PackedWeight
 
 
@@ -58,14 +59,31 @@ class LlamaConfig:
 
 
 class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019)."""
+    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
+
+    ``forward(x)`` returns the normalised ``x [T, hidden]``. ``forward(x, residual)`` first adds ``x`` to the
+    residual stream and returns ``(norm(x + residual), x + residual)``, as vLLM's ``RMSNorm`` does
+    (``vllm/model_executor/layers/layernorm.py``): in bfloat16 on the CPU both run as one kernel
+    (``minivllm.custom_ops``), which then overwrites ``x`` and ``residual`` with the results.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
+        if x.dim() == 2 and custom_ops.usable(x) and self.weight.dtype == x.dtype:
+            if residual is None:
+                return custom_ops.rms_norm(x, self.weight, self.eps)
+            custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+            return x, residual
+        if residual is None:
+            return self._norm(x)
+        residual = x + residual
+        return self._norm(residual), residual
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -105,7 +123,16 @@ class RotaryEmbedding(nn.Module):
         return self._step[1], self._step[2]
 
     def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by the angles of ``positions [T]`` (q and k heads may be stacked)."""
+        """Rotate ``x [T, heads, head_dim]`` by the angles of ``positions [T]`` (q and k heads may be stacked).
+
+        In bfloat16 on the CPU this rotates ``x`` in place with one kernel (``custom_ops.rotary_embedding``,
+        bit-identical) and returns it; otherwise it returns a new tensor.
+        """
+        if custom_ops.usable(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            if self.cos_cache.device != x.device:
+                self.begin_step(positions)
+            custom_ops.rotary_embedding(positions, x, x.shape[1], self.cos_cache, self.sin_cache)
+            return x
         cos, sin = self._angles(positions)
         return _rotate(x, cos, sin)
 
@@ -163,12 +190,21 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if custom_ops.usable(gate_up) and gate_up.dim() == 2:
+            return self.down_proj(custom_ops.silu_and_mul(gate_up))  # one pass, no temporaries
+        gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
+
+    As in vLLM, the residual stream is carried beside the layer's output instead of being added at the end of
+    each layer: ``forward(positions, hidden, kv_cache, md, residual)`` returns ``(mlp_out, residual)``, and the
+    layer's full output is their sum. The next norm adds them (``RMSNorm.forward(x, residual)``), which lets one
+    kernel do the add and the norm. Pass ``residual=None`` for the first layer (``hidden`` is then the input).
+    """
 
     def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
         super().__init__()
@@ -177,9 +213,14 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = LlamaMLP(config)
 
-    def forward(self, positions, hidden, kv_cache, md):
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, md)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, positions, hidden, kv_cache, md, residual: Optional[torch.Tensor] = None):
+        if residual is None:
+            residual, hidden = hidden, self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, md)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -228,11 +269,12 @@ class LlamaForCausalLM(nn.Module):
         """
         hidden = self.model.embed_tokens(input_ids)
         self.model.rotary_emb.begin_step(positions)
+        residual = None
         for i, layer in enumerate(self.model.layers):
-            hidden = layer(positions, hidden, kv_caches[i], md)
+            hidden, residual = layer(positions, hidden, kv_caches[i], md, residual)
             for hook in self.layer_hooks:
                 hook(i, kv_caches[i])
-        return self.model.norm(hidden)
+        return self.model.norm(hidden, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""

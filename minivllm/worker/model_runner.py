@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional
 import numpy as np
 import torch
 
+from minivllm import custom_ops
 from minivllm.attention.paged_attention import AttentionMetadata, DecodeGroup, split_decode_groups
 from minivllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
 from minivllm.model.llama import LlamaForCausalLM
@@ -170,6 +171,16 @@ class ModelRunner:
                 st.block_ids.extend(blocks)
             st.num_computed_tokens = ncomp
 
+    def _use_cpu_kernels(self) -> bool:
+        """Whether this step's bfloat16 CPU forward runs minivllm's C++ kernels (``minivllm.custom_ops``)."""
+        return (
+            self.device.type == "cpu"
+            and self.dtype == torch.bfloat16
+            and self.model.model.layers[0].self_attn.backend == "sdpa"
+            and custom_ops.enabled()
+            and custom_ops.load()
+        )
+
     def _prepare_inputs(self, so: SchedulerOutput):
         req_ids = list(so.num_scheduled_tokens)
         qlens = [so.num_scheduled_tokens[r] for r in req_ids]
@@ -214,6 +225,9 @@ class ModelRunner:
             nblk = -(-max(dl) // bs)
             md.decode_token_idx = t(qsl[decode_reqs])
             md.decode_block_table = block_table[decode_reqs, :nblk]
+        if decode_reqs and self._use_cpu_kernels():
+            md.decode_seq_lens = t(dl)  # the kernel reads each request's own blocks: no mask, groups or padding
+        elif decode_reqs:
             key_pos = torch.arange(nblk * bs, device=dev)
             md.decode_key_mask = (key_pos[None, :] >= t(dl)[:, None])[:, None, None, :]
             # Each group costs a few more operators; with two threads each operator also costs a barrier, and two

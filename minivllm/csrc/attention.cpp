@@ -1,0 +1,176 @@
+// Decode attention that reads the paged KV cache in place (vLLM: csrc/cpu/attention.cpp, paged_attention_v1;
+// PagedAttention, Kwon et al., SOSP 2023, section 4.1).
+//
+// The PyTorch fast path (minivllm/attention/paged_attention.py) must first copy every decode request's keys and
+// values out of their blocks into a padded batch, because a PyTorch matmul cannot follow a block table. Here each
+// (request, KV head) pair walks its own block table: no copy, no padding, no mask.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace minivllm {
+namespace {
+
+// q . k over one head: 16 running sums, one per vector lane, added up at the end. With HD a compile-time
+// constant the loop unrolls into a few vector multiply-adds.
+template <typename S, int HD>
+inline float dot(const float* __restrict q, const typename S::storage* __restrict k, int64_t head_dim) {
+  const int64_t D = HD > 0 ? HD : head_dim;
+  if (HD > 0) {
+    float acc[16] = {};
+    for (int64_t d = 0; d < D; d += 16)
+      for (int j = 0; j < 16; ++j) acc[j] += q[d + j] * S::load(k[d + j]);
+    float s = 0.f;
+    for (int j = 0; j < 16; ++j) s += acc[j];
+    return s;
+  }
+  float s = 0.f;
+  for (int64_t d = 0; d < D; ++d) s += q[d] * S::load(k[d]);
+  return s;
+}
+
+template <typename S, int HD>
+inline void axpy(float* __restrict a, float p, const typename S::storage* __restrict v, int64_t head_dim) {
+  const int64_t D = HD > 0 ? HD : head_dim;
+  for (int64_t d = 0; d < D; ++d) a[d] += p * S::load(v[d]);
+}
+
+// HD: head_dim as a compile-time constant (a multiple of 16), or 0 for any head_dim.
+template <typename S, int HD>
+void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                           const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_rows,
+                           double scale) {
+  using T = typename S::storage;
+  const int64_t num_reqs = seq_lens.size(0);
+  const int64_t num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t q_row_stride = query.stride(0), out_row_stride = out.stride(0);
+  const int64_t token_stride = num_kv_heads * head_dim;  // between consecutive tokens of one block
+  const int64_t value_offset = num_blocks * block_size * token_stride;  // kv_cache[1] after kv_cache[0]
+  const int64_t max_blocks = block_table.size(1), bt_stride = block_table.stride(0);
+
+  const T* q_ptr = ptr<S>(query);
+  const T* kv_ptr = ptr<S>(kv_cache);
+  T* out_ptr = ptr<S>(out);
+  const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
+  const int64_t* len_ptr = seq_lens.data_ptr<int64_t>();
+  const int64_t* row_ptr = query_rows.data_ptr<int64_t>();
+  int64_t max_len = 0;
+  for (int64_t r = 0; r < num_reqs; ++r) {
+    TORCH_CHECK(len_ptr[r] >= 1 && len_ptr[r] <= max_blocks * block_size, "paged_attention_decode: seq_lens[", r,
+                "] = ", len_ptr[r], " is outside 1..", max_blocks * block_size, " (block_table columns x block_size)");
+    const int64_t* blocks = bt_ptr + r * bt_stride;
+    for (int64_t j = 0; j < (len_ptr[r] + block_size - 1) / block_size; ++j)
+      TORCH_CHECK(blocks[j] >= 0 && blocks[j] < num_blocks, "paged_attention_decode: block_table[", r, ", ", j,
+                  "] = ", blocks[j], " is outside 0..", num_blocks - 1);
+    max_len = std::max(max_len, len_ptr[r]);
+  }
+  const float fscale = static_cast<float>(scale);
+
+  // One work item = one (request, KV head): its `group` query heads share every key and value they read.
+  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(group * head_dim), acc(group * head_dim), logits(group * max_len);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t len = len_ptr[r];
+      const int64_t row = row_ptr[r];
+      const int64_t* blocks = bt_ptr + r * bt_stride;
+      for (int64_t i = 0; i < group * head_dim; ++i)
+        q[i] = S::load(q_ptr[row * q_row_stride + h * group * head_dim + i]) * fscale;
+      // Scores q . k for every key 0 .. len-1, block by block: logits[g, pos].
+      for (int64_t pos = 0; pos < len; pos += block_size) {
+        const T* k_block = kv_ptr + blocks[pos / block_size] * block_size * token_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - pos);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            logits[g * max_len + pos + t] =
+                dot<S, HD>(q.data() + g * head_dim, k_block + t * token_stride, head_dim);
+      }
+      // Softmax per query head, in float32.
+      for (int64_t g = 0; g < group; ++g) {
+        float* l = logits.data() + g * max_len;
+        float m = l[0];
+#pragma omp simd reduction(max : m)
+        for (int64_t i = 1; i < len; ++i) m = m > l[i] ? m : l[i];
+        vfloat16 sum16 = {};
+        int64_t i = 0;
+        for (; i + 16 <= len; i += 16) {
+          vfloat16 e = vexp16(load16<F32>(l + i) - m);
+          store16<F32>(l + i, e);
+          sum16 += e;
+        }
+        float sum = 0.f;
+        for (int j = 0; j < 16; ++j) sum += sum16[j];
+        for (; i < len; ++i) {
+          l[i] = vexp(l[i] - m);
+          sum += l[i];
+        }
+        const float inv = 1.f / sum;
+        for (i = 0; i < len; ++i) l[i] *= inv;
+      }
+      // Output = sum over keys of p * v, block by block.
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t pos = 0; pos < len; pos += block_size) {
+        const T* v_block = kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h * head_dim;
+        const int64_t n = std::min(block_size, len - pos);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t g = 0; g < group; ++g)
+            axpy<S, HD>(acc.data() + g * head_dim, logits[g * max_len + pos + t], v_block + t * token_stride,
+                        head_dim);
+      }
+      T* dst = out_ptr + row * out_row_stride + h * group * head_dim;
+      for (int64_t i = 0; i < group * head_dim; ++i) dst[i] = S::store(acc[i]);
+    }
+  });
+}
+
+}  // namespace
+
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_rows,
+                            double scale) {
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_attention_decode: query must be [tokens, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "paged_attention_decode: out must have query's shape with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous(),
+              "paged_attention_decode: kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(kv_cache.size(4) == query.size(2), "paged_attention_decode: head_dim of query (", query.size(2),
+              ") and kv_cache (", kv_cache.size(4), ") differ");
+  TORCH_CHECK(query.size(1) % kv_cache.size(3) == 0, "paged_attention_decode: num_heads (", query.size(1),
+              ") must be a multiple of num_kv_heads (", kv_cache.size(3), ")");
+  TORCH_CHECK(query.scalar_type() == kv_cache.scalar_type() && out.scalar_type() == query.scalar_type(),
+              "paged_attention_decode: query, out and kv_cache must share one dtype");
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1,
+              "paged_attention_decode: block_table must be int64 [num_reqs, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.scalar_type() == at::kLong && seq_lens.is_contiguous() && seq_lens.dim() == 1,
+              "paged_attention_decode: seq_lens must be a contiguous int64 vector");
+  TORCH_CHECK(query_rows.scalar_type() == at::kLong && query_rows.is_contiguous() &&
+                  query_rows.numel() == seq_lens.numel() && block_table.size(0) == seq_lens.numel(),
+              "paged_attention_decode: query_rows, seq_lens and block_table need one entry per request");
+  for (int64_t i = 0; i < query_rows.numel(); ++i) {
+    const int64_t row = query_rows.data_ptr<int64_t>()[i];
+    TORCH_CHECK(row >= 0 && row < query.size(0), "paged_attention_decode: query_rows[", i, "] = ", row,
+                " is outside 0..", query.size(0) - 1);
+  }
+  dispatch_float_types("paged_attention_decode", query.scalar_type(), [&]<typename S>() {
+    switch (query.size(2)) {
+      case 64:
+        decode_attention_impl<S, 64>(out, query, kv_cache, block_table, seq_lens, query_rows, scale);
+        break;
+      case 128:
+        decode_attention_impl<S, 128>(out, query, kv_cache, block_table, seq_lens, query_rows, scale);
+        break;
+      default:
+        decode_attention_impl<S, 0>(out, query, kv_cache, block_table, seq_lens, query_rows, scale);
+    }
+  });
+}
+
+}  // namespace minivllm

@@ -1,0 +1,31 @@
+// The CPU kernels of minivllm, registered as torch.ops.minivllm_cpu.* by torch_bindings.cpp.
+// Each has the contract of the vLLM custom op of the same name (vLLM: csrc/cpu/*.cpp, csrc/ops.h).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+
+#include "cpu_utils.h"
+
+namespace minivllm {
+
+// out[query_rows[i]] = attention of query[query_rows[i]] over keys 0 .. seq_lens[i]-1 of request i, read through
+// block_table[i]. query/out [tokens, num_heads, head_dim]; kv_cache [2, num_blocks, block_size, kv_heads, head_dim].
+void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                            const at::Tensor& block_table, const at::Tensor& seq_lens, const at::Tensor& query_rows,
+                            double scale);
+
+// out = x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden].
+void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// residual += x (rounded to the dtype, as a PyTorch add is), then x = rms_norm(residual), in place.
+void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, double eps);
+
+// out[t, i] = silu(x[t, i]) * x[t, d + i] for x [tokens, 2 d], out [tokens, d].
+void silu_and_mul(at::Tensor& out, const at::Tensor& x);
+
+// Rotates the first num_rotated heads of every row of qk [tokens, heads, head_dim] in place by the angles of
+// positions [tokens], with full-width float32 tables cos/sin [max_position, head_dim] (NeoX half split).
+void rotary_embedding(const at::Tensor& positions, at::Tensor& qk, int64_t num_rotated, const at::Tensor& cos,
+                      const at::Tensor& sin);
+
+}  // namespace minivllm

@@ -1,0 +1,21 @@
+// Registers the kernels as PyTorch operators: torch.ops.minivllm_cpu.<name> (vLLM: csrc/cpu/torch_bindings.cpp).
+// The "Tensor(a!)" annotations tell PyTorch which arguments an operator writes.
+
+#include <torch/library.h>
+
+#include "ops.h"
+
+TORCH_LIBRARY(minivllm_cpu, m) {
+  m.def(
+      "paged_attention_decode(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, Tensor seq_lens, "
+      "Tensor query_rows, float scale) -> ()");
+  m.impl("paged_attention_decode", c10::DispatchKey::CPU, &minivllm::paged_attention_decode);
+  m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
+  m.impl("rms_norm", c10::DispatchKey::CPU, &minivllm::rms_norm);
+  m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");
+  m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &minivllm::fused_add_rms_norm);
+  m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
+  m.impl("silu_and_mul", c10::DispatchKey::CPU, &minivllm::silu_and_mul);
+  m.def("rotary_embedding(Tensor positions, Tensor(a!) qk, int num_rotated, Tensor cos, Tensor sin) -> ()");
+  m.impl("rotary_embedding", c10::DispatchKey::CPU, &minivllm::rotary_embedding);
+}

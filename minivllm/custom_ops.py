@@ -1,0 +1,162 @@
+"""The engine's own CPU kernels (``minivllm/csrc``), compiled on first use, and their Python entry points (vLLM:
+``vllm/_custom_ops.py`` over ``csrc/cpu``).
+
+Five operators, each replacing several PyTorch operators of one decoder layer:
+
+* ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
+  cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
+* ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
+* ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
+* ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
+
+They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
+cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
+the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU only. Float32
+stays on the PyTorch operators: it is the exact reference the course compares against Hugging Face token for
+token. If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
+``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
+
+Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype or layout, before it
+writes anything, except for out-of-range block ids or positions, which are found while computing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import warnings
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = ["attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp", "torch_bindings.cpp"]
+# -ffp-contract=off: no fused multiply-adds, so elementwise results round exactly as PyTorch's separate operators.
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off", "-std=c++20", "-w"]
+
+_state: dict = {"loaded": None, "error": None}
+
+
+def enabled() -> bool:
+    """False when ``MINIVLLM_CPU_KERNELS=0`` is set."""
+    return os.environ.get("MINIVLLM_CPU_KERNELS", "1") != "0"
+
+
+def _cpu_id() -> str:
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        flags = platform.processor()
+    return flags
+
+
+def _build_name() -> str:
+    h = hashlib.sha256()
+    for name in SOURCES + ["ops.h", "cpu_utils.h"]:
+        h.update((CSRC / name).read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_id().encode())
+    return "minivllm_cpu_" + h.hexdigest()[:12]
+
+
+def load(verbose: bool = False) -> bool:
+    """Build (first time) and load the kernels; True when ``torch.ops.minivllm_cpu`` is ready.
+
+    A failed build is remembered for the process: the error is in ``build_error()``, and a ``RuntimeWarning``
+    is issued once.
+    """
+    if _state["loaded"] is not None:
+        return _state["loaded"]
+    try:
+        from torch.utils.cpp_extension import load as cpp_load
+
+        cpp_load(
+            name=_build_name(),
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=CFLAGS,
+            extra_ldflags=["-fopenmp"],
+            is_python_module=False,
+            verbose=verbose,
+        )
+        _state["loaded"] = True
+    except Exception as exc:  # a missing compiler or ninja shows up as several exception types
+        _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"
+        warnings.warn(
+            f"minivllm: the CPU kernels could not be built, using PyTorch operators instead ({_state['error'][:300]})",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return _state["loaded"]
+
+
+def build_error() -> Optional[str]:
+    """Why the kernels could not be built, or ``None``."""
+    return _state["error"]
+
+
+def usable(x: torch.Tensor) -> bool:
+    """True when the model should call the kernels for activations like ``x``: bfloat16 on the CPU, kernels
+    enabled and built, no autograd (the kernels have no backward)."""
+    return (
+        x.device.type == "cpu"
+        and x.dtype == torch.bfloat16
+        and enabled()
+        and not torch.is_grad_enabled()
+        and load()
+    )
+
+
+def paged_attention_decode(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_rows: torch.Tensor,
+    scale: float,
+) -> None:
+    """Decode attention read in place from the paged cache; writes ``out[query_rows[i]]`` for every request ``i``.
+
+    Args:
+        out: ``[num_tokens, num_heads, head_dim]``, query's dtype, heads contiguous; other rows are left alone.
+        query: ``[num_tokens, num_heads, head_dim]`` bfloat16 or float32, heads contiguous (rows may be strided,
+            e.g. a view of the qkv projection).
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``, contiguous, query's dtype.
+        block_table: ``int64 [num_reqs, max_blocks]``, rows contiguous.
+        seq_lens: ``int64 [num_reqs]``, keys each request attends to (its new token included), at least 1.
+        query_rows: ``int64 [num_reqs]``, the row of ``query`` holding request ``i``'s one query token.
+        scale: softmax scale, ``1 / sqrt(head_dim)``.
+
+    Scores, softmax and the weighted sum are float32, as in ``reference_paged_attention``.
+    """
+    torch.ops.minivllm_cpu.paged_attention_decode(out, query, kv_cache, block_table, seq_lens, query_rows, scale)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x [T, hidden] / sqrt(mean(x^2) + eps) * weight [hidden]`` in float32, returned in ``x``'s dtype."""
+    out = torch.empty_like(x)
+    torch.ops.minivllm_cpu.rms_norm(out, x, weight, eps)
+    return out
+
+
+def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
+    """In place: ``residual += x`` (rounded to the dtype), then ``x = rms_norm(residual)``. ``[T, hidden]`` each."""
+    torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """``x [T, 2 d]`` -> ``silu(x[:, :d]) * x[:, d:]`` ``[T, d]``, the SiLU rounded to the dtype before the product."""
+    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    torch.ops.minivllm_cpu.silu_and_mul(out, x)
+    return out
+
+
+def rotary_embedding(
+    positions: torch.Tensor, qk: torch.Tensor, num_rotated: int, cos: torch.Tensor, sin: torch.Tensor
+) -> None:
+    """Rotate heads ``0 .. num_rotated-1`` of ``qk [T, heads, head_dim]`` in place by the angles of ``positions
+    int64 [T]`` (float32 tables ``[max_position, head_dim]``, the layout of ``RotaryEmbedding``)."""
+    torch.ops.minivllm_cpu.rotary_embedding(positions, qk, num_rotated, cos, sin)

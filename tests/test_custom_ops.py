@@ -1,0 +1,178 @@
+"""minivllm's C++ CPU kernels (``minivllm/csrc``, ``minivllm.custom_ops``) against the PyTorch code they replace."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minivllm import LLMEngine, SamplingParams, custom_ops
+from minivllm.attention.paged_attention import AttentionMetadata, reference_paged_attention
+from minivllm.model.llama import RMSNorm, RotaryEmbedding, _rotate
+from minivllm.model.loader import build_tiny_model
+
+pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", reason="kernels switched off")
+
+
+def test_kernels_build_here():
+    # g++ is on every machine of the course (README); a build failure must not go unnoticed.
+    assert custom_ops.load(), custom_ops.build_error()
+
+
+def _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size, num_blocks=64, extra_rows=0):
+    """A cache of random blocks and one decode query per request, the requests' blocks scattered."""
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    width = max(-(-n // block_size) for n in lens)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in lens:
+        need = -(-n // block_size)
+        tables.append(perm[used : used + need] + [0] * (width - need))  # padding ids must never be read
+        used += need
+    num_tokens = len(lens) + extra_rows
+    query = torch.randn(num_tokens, heads, head_dim, generator=g).to(dtype)
+    rows = torch.randperm(num_tokens, generator=g)[: len(lens)]
+    return cache, torch.tensor(tables), query, rows
+
+
+def _reference(query, cache, tables, lens, rows, block_size, scale):
+    """reference_paged_attention on the decode rows only."""
+    q = query[rows]
+    n = len(lens)
+    md = AttentionMetadata(torch.arange(n + 1), torch.tensor(lens), torch.tensor(lens) - 1, tables, None, None,
+                           block_size, [1] * n, list(lens), [x - 1 for x in lens], list(range(n)))
+    return reference_paged_attention(q, cache, md, scale)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 40)])
+def test_paged_attention_decode_equals_reference(dtype, atol, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim)
+    lens = [1, 15, 16, 17, 64, 100]  # one key, block boundaries on both sides, several blocks
+    cache, tables, query, rows = _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size=16, extra_rows=3)
+    out = torch.full_like(query, 7.0)
+    scale = head_dim ** -0.5
+    custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, scale)
+    ref = _reference(query, cache, tables, lens, rows, 16, scale)
+    torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)
+    others = torch.ones(len(query), dtype=torch.bool)
+    others[rows] = False
+    assert (out[others] == 7.0).all()  # rows of other requests (prefill tokens) are not written
+
+
+@settings(max_examples=25, deadline=None)
+@given(
+    lens=st.lists(st.integers(1, 70), min_size=1, max_size=6),
+    block_size=st.sampled_from([1, 4, 16]),
+    group=st.sampled_from([1, 3]),
+    seed=st.integers(0, 2**16),
+)
+def test_paged_attention_decode_random(lens, block_size, group, seed):
+    g = torch.Generator().manual_seed(seed)
+    num_blocks = sum(-(-n // block_size) for n in lens) + 3
+    cache, tables, query, rows = _decode_case(g, torch.float32, lens, 2 * group, 2, 64, block_size, num_blocks)
+    out = torch.zeros_like(query)
+    custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, 0.125)
+    ref = _reference(query, cache, tables, lens, rows, block_size, 0.125)
+    torch.testing.assert_close(out[rows], ref, atol=2e-6, rtol=0)
+
+
+def test_paged_attention_decode_reads_strided_query_rows():
+    # The model hands it q as a view of the fused qkv output: rows 960 values apart, heads contiguous.
+    g = torch.Generator().manual_seed(1)
+    lens = [20, 33]
+    cache, tables, _, rows = _decode_case(g, torch.float32, lens, 9, 3, 64, 16)
+    qkv = torch.randn(2, 960, generator=g)
+    q = qkv[:, :576].view(2, 9, 64)
+    out = torch.empty(2, 9, 64)
+    custom_ops.paged_attention_decode(out, q, cache, tables, torch.tensor(lens), rows, 0.125)
+    torch.testing.assert_close(out[rows], _reference(q, cache, tables, lens, rows, 16, 0.125), atol=2e-6, rtol=0)
+
+
+def test_paged_attention_decode_rejects_bad_input_before_writing():
+    g = torch.Generator().manual_seed(2)
+    cache, tables, query, rows = _decode_case(g, torch.float32, [20, 5], 9, 3, 64, 16)
+    out = torch.zeros_like(query)
+    with pytest.raises(RuntimeError, match="seq_lens"):  # more keys than the block table holds
+        custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor([20, 33]), rows, 0.1)
+    bad = tables.clone()
+    bad[1, 0] = 64  # one past the last block
+    with pytest.raises(RuntimeError, match="block_table"):
+        custom_ops.paged_attention_decode(out, query, cache, bad, torch.tensor([20, 5]), rows, 0.1)
+    with pytest.raises(RuntimeError, match="query_rows"):
+        custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor([20, 5]), torch.tensor([0, 9]), 0.1)
+    with pytest.raises(RuntimeError, match="dtype"):
+        custom_ops.paged_attention_decode(out.double(), query.double(), cache.double(), tables, torch.tensor([20, 5]),
+                                          rows, 0.1)
+    assert (out == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_fused_add(dtype):
+    g = torch.Generator().manual_seed(3)
+    norm = RMSNorm(576, 1e-5)
+    norm.weight.data = torch.randn(576, generator=g)
+    norm = norm.to(dtype)
+    x, res = torch.randn(37, 576, generator=g).to(dtype), torch.randn(37, 576, generator=g).to(dtype)
+    # The float32 sum of squares is added in another order than PyTorch's: equal up to float rounding, which in
+    # bfloat16 can move a result by one unit in the last place.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(custom_ops.rms_norm(x, norm.weight, 1e-5), norm._norm(x), **tol)
+    xk, rk = x.clone(), res.clone()
+    custom_ops.fused_add_rms_norm(xk, rk, norm.weight, 1e-5)
+    assert torch.equal(rk, x + res)  # the residual add rounds exactly as PyTorch's
+    torch.testing.assert_close(xk, norm._norm(x + res), **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (4 * torch.randn(33, 2 * 1539, generator=g)).to(dtype)  # 1539: a tail after the 16-wide loop
+    ref = F.silu(x[:, :1539]) * x[:, 1539:]
+    tol = dict(atol=1e-6, rtol=1e-6) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
+    torch.testing.assert_close(custom_ops.silu_and_mul(x), ref, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_embedding_is_bit_identical(dtype):
+    g = torch.Generator().manual_seed(5)
+    rope = RotaryEmbedding(64, 4096, 100000.0)
+    pos = torch.randint(0, 4096, (50,), generator=g)
+    qkv = torch.randn(50, 960, generator=g).to(dtype)
+    qk = qkv[:, :768].view(50, 12, 64)
+    expected = _rotate(qk, rope.cos_cache[pos].unsqueeze(1), rope.sin_cache[pos].unsqueeze(1))
+    v_before = qkv[:, 768:].clone()
+    custom_ops.rotary_embedding(pos, qk, 12, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(qk, expected)
+    assert torch.equal(qkv[:, 768:], v_before)  # v is not touched
+    with pytest.raises(RuntimeError, match="position"):
+        custom_ops.rotary_embedding(torch.full((50,), 4096), qk, 12, rope.cos_cache, rope.sin_cache)
+
+
+def test_bf16_engine_with_and_without_kernels(monkeypatch):
+    """The whole bf16 forward (norms, RoPE, SwiGLU, decode attention through the kernels) against the PyTorch
+    operators, on steps mixing decodes with prefill chunks: the logits agree to bf16 precision."""
+    model = build_tiny_model(dtype=torch.bfloat16)
+    calls = []
+    kernel = custom_ops.paged_attention_decode
+    monkeypatch.setattr(custom_ops, "paged_attention_decode", lambda *a: (calls.append(1), kernel(*a)))
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MINIVLLM_CPU_KERNELS", flag)
+        calls.clear()
+        eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng.model_runner.keep_logits = True
+        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+        for n in (5, 40, 90):  # 90 tokens at a budget of 64: chunked, and mixed with the others' decodes
+            eng.add_request(str(n), {"prompt_token_ids": list(range(3, 3 + n))}, sp)
+        rows = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            rows.append(eng.model_runner.last_inputs.logits.clone())
+        logits[flag] = rows
+        assert bool(calls) == (flag == "1")
+    assert len(logits["1"]) == len(logits["0"]) >= 5
+    for a, b in zip(logits["1"], logits["0"]):
+        torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
