@@ -176,3 +176,15 @@ def test_bf16_engine_with_and_without_kernels(monkeypatch):
     assert len(logits["1"]) == len(logits["0"]) >= 5
     for a, b in zip(logits["1"], logits["0"]):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+def test_paged_attention_decode_many_requests(dtype, atol):
+    # With many requests a work item is a whole request (all KV heads); with few, one (request, KV head).
+    g = torch.Generator().manual_seed(6)
+    lens = torch.randint(1, 200, (4 * torch.get_num_threads() + 5,), generator=g).tolist()
+    cache, tables, query, rows = _decode_case(g, dtype, lens, 9, 3, 64, 16, num_blocks=sum(-(-n // 16) for n in lens))
+    out = torch.zeros_like(query)
+    custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, 0.125)
+    ref = _reference(query, cache, tables, lens, rows, 16, 0.125)
+    torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)

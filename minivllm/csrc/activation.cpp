@@ -3,6 +3,9 @@
 
 #include "ops.h"
 
+// No fused multiply-adds in this file: each product and sum rounds as in PyTorch's separate operators.
+#pragma GCC optimize("fp-contract=off")
+
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 

@@ -11,7 +11,15 @@
 #include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <type_traits>
 #include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define MINIVLLM_AVX512_BF16 1
+#else
+#define MINIVLLM_AVX512_BF16 0
+#endif
 
 namespace minivllm {
 namespace {
@@ -33,6 +41,18 @@ inline float dot(const float* __restrict q, const typename S::storage* __restric
   for (int64_t d = 0; d < D; ++d) s += q[d] * S::load(k[d]);
   return s;
 }
+
+#if MINIVLLM_AVX512_BF16
+// q . k straight from bfloat16 storage with the AVX512-BF16 dot-product instruction: 32 products per step,
+// accumulated in float32 (the products of two bf16 values are exact in float32).
+template <int HD>
+inline float dot_bf16(const uint16_t* q, const uint16_t* k) {
+  __m512 acc = _mm512_setzero_ps();
+  for (int d = 0; d < HD; d += 32)
+    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
+  return _mm512_reduce_add_ps(acc);
+}
+#endif
 
 template <typename S, int HD>
 inline void axpy(float* __restrict a, float p, const typename S::storage* __restrict v, int64_t head_dim) {
@@ -73,28 +93,44 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   }
   const float fscale = static_cast<float>(scale);
 
-  // One work item = one (request, KV head): its `group` query heads share every key and value they read.
-  at::parallel_for(0, num_reqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> q(group * head_dim), acc(group * head_dim), logits(group * max_len);
+  // One work item = one request, or one (request, KV head) when there are too few requests to keep every thread
+  // busy (batch 1). A whole request reads each block front to back: all KV heads of a token are adjacent.
+  const int64_t heads_per_item = num_reqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  const int64_t items_per_req = num_kv_heads / heads_per_item;
+  const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
+  at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> q(qh_per_item * head_dim), acc(qh_per_item * head_dim), logits(qh_per_item * max_len);
+    std::vector<vfloat16> acc16(HD > 0 ? qh_per_item * HD / 16 : 0);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t r = item / num_kv_heads, h = item % num_kv_heads;
+      const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       const int64_t len = len_ptr[r];
       const int64_t row = row_ptr[r];
       const int64_t* blocks = bt_ptr + r * bt_stride;
-      for (int64_t i = 0; i < group * head_dim; ++i)
-        q[i] = S::load(q_ptr[row * q_row_stride + h * group * head_dim + i]) * fscale;
-      // Scores q . k for every key 0 .. len-1, block by block: logits[g, pos].
+      // This item's query heads are h0 * group .. (h0 + heads_per_item) * group - 1: adjacent in the query row.
+      const T* q_raw = q_ptr + row * q_row_stride + h0 * group * head_dim;
+      for (int64_t i = 0; i < qh_per_item * head_dim; ++i) q[i] = S::load(q_raw[i]) * fscale;
+      // Scores q . k for every key 0 .. len-1, block by block: logits[query head, pos].
       for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* k_block = kv_ptr + blocks[pos / block_size] * block_size * token_stride + h * head_dim;
+        const T* k_block = kv_ptr + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
         const int64_t n = std::min(block_size, len - pos);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < group; ++g)
-            logits[g * max_len + pos + t] =
-                dot<S, HD>(q.data() + g * head_dim, k_block + t * token_stride, head_dim);
+        for (int64_t t = 0; t < n; ++t) {
+          const T* k_tok = k_block + t * token_stride;
+          for (int64_t qh = 0; qh < qh_per_item; ++qh) {
+            const T* k = k_tok + (qh / group) * head_dim;
+            float s;
+#if MINIVLLM_AVX512_BF16
+            if constexpr (std::is_same_v<S, BF16> && HD > 0 && HD % 32 == 0)
+              s = dot_bf16<HD>(q_raw + qh * HD, k) * fscale;
+            else
+#endif
+              s = dot<S, HD>(q.data() + qh * head_dim, k, head_dim);
+            logits[qh * max_len + pos + t] = s;
+          }
+        }
       }
       // Softmax per query head, in float32.
-      for (int64_t g = 0; g < group; ++g) {
-        float* l = logits.data() + g * max_len;
+      for (int64_t qh = 0; qh < qh_per_item; ++qh) {
+        float* l = logits.data() + qh * max_len;
         float m = l[0];
 #pragma omp simd reduction(max : m)
         for (int64_t i = 1; i < len; ++i) m = m > l[i] ? m : l[i];
@@ -116,16 +152,36 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       }
       // Output = sum over keys of p * v, block by block.
       std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(acc16.begin(), acc16.end(), vfloat16{});
       for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* v_block = kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h * head_dim;
+        const T* v_block = kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
         const int64_t n = std::min(block_size, len - pos);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t g = 0; g < group; ++g)
-            axpy<S, HD>(acc.data() + g * head_dim, logits[g * max_len + pos + t], v_block + t * token_stride,
-                        head_dim);
+        for (int64_t t = 0; t < n; ++t) {
+          for (int64_t kh = 0; kh < heads_per_item; ++kh) {
+            const T* v_row = v_block + t * token_stride + kh * head_dim;
+            if constexpr (HD > 0) {
+              // The value row is widened to float32 once and used by every query head of the group.
+              vfloat16 v[HD / 16];
+              for (int c = 0; c < HD / 16; ++c) v[c] = load16<S>(v_row + 16 * c);
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t qh = kh * group + g;
+                const float p = logits[qh * max_len + pos + t];
+                for (int c = 0; c < HD / 16; ++c) acc16[qh * (HD / 16) + c] += p * v[c];
+              }
+            } else {
+              for (int64_t g = 0; g < group; ++g) {
+                const int64_t qh = kh * group + g;
+                axpy<S, HD>(acc.data() + qh * head_dim, logits[qh * max_len + pos + t], v_row, head_dim);
+              }
+            }
+          }
+        }
       }
-      T* dst = out_ptr + row * out_row_stride + h * group * head_dim;
-      for (int64_t i = 0; i < group * head_dim; ++i) dst[i] = S::store(acc[i]);
+      if constexpr (HD > 0)
+        for (int64_t i = 0; i < qh_per_item * (HD / 16); ++i)
+          for (int j = 0; j < 16; ++j) acc[i * 16 + j] = acc16[i][j];
+      T* dst = out_ptr + row * out_row_stride + h0 * group * head_dim;
+      for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
     }
   });
 }
