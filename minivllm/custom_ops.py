@@ -32,7 +32,7 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp", "torch_bindings.cpp"]
+SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp", "torch_bindings.cpp"]
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]
@@ -93,6 +93,13 @@ def load(verbose: bool = False) -> bool:
     return _state["loaded"]
 
 
+def _ops():
+    """``torch.ops.minivllm_cpu`` after building the kernels; ``RuntimeError`` when they cannot be built."""
+    if not load():
+        raise RuntimeError(f"minivllm's CPU kernels are not available: {_state['error']}")
+    return torch.ops.minivllm_cpu
+
+
 def build_error() -> Optional[str]:
     """Why the kernels could not be built, or ``None``."""
     return _state["error"]
@@ -133,25 +140,61 @@ def paged_attention_decode(
 
     Scores, softmax and the weighted sum are float32, as in ``reference_paged_attention``.
     """
-    torch.ops.minivllm_cpu.paged_attention_decode(out, query, kv_cache, block_table, seq_lens, query_rows, scale)
+    _ops().paged_attention_decode(out, query, kv_cache, block_table, seq_lens, query_rows, scale)
+
+
+def prefill_kernel_available() -> bool:
+    """True when the kernels are built with the AVX512-BF16 prefill attention (``csrc/prefill_attention.cpp``)."""
+    return load() and bool(_ops().prefill_kernel_available())
+
+
+def paged_attention_prefill(
+    out: torch.Tensor,
+    query: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    query_start: torch.Tensor,
+    query_lens: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+) -> None:
+    """Causal attention of prefill chunks read in place from the paged cache (FlashAttention-style online softmax).
+
+    Request ``i``'s query rows ``query_start[i] .. query_start[i] + query_lens[i] - 1`` sit at positions
+    ``context_lens[i] + 0, 1, ...`` and attend to keys ``0 ..`` their own position (earlier chunks included),
+    read through ``block_table[i]``. Writes those rows of ``out``.
+
+    Args:
+        out, query: ``[num_tokens, num_heads, head_dim]`` bfloat16, heads contiguous; head_dim 64 or 128.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` bfloat16, holding this step's keys.
+        block_table: ``int64 [num_reqs, max_blocks]``.
+        query_start, query_lens, context_lens: ``int64 [num_reqs]``.
+        scale: softmax scale.
+
+    Raises:
+        RuntimeError: on a wrong dtype, shape or block id, or when ``prefill_kernel_available()`` is False.
+    """
+    _ops().paged_attention_prefill(
+        out, query, kv_cache, block_table, query_start, query_lens, context_lens, scale
+    )
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """``x [T, hidden] / sqrt(mean(x^2) + eps) * weight [hidden]`` in float32, returned in ``x``'s dtype."""
     out = torch.empty_like(x)
-    torch.ops.minivllm_cpu.rms_norm(out, x, weight, eps)
+    _ops().rms_norm(out, x, weight, eps)
     return out
 
 
 def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> None:
     """In place: ``residual += x`` (rounded to the dtype), then ``x = rms_norm(residual)``. ``[T, hidden]`` each."""
-    torch.ops.minivllm_cpu.fused_add_rms_norm(x, residual, weight, eps)
+    _ops().fused_add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2 d]`` -> ``silu(x[:, :d]) * x[:, d:]`` ``[T, d]``, the SiLU rounded to the dtype before the product."""
     out = x.new_empty(x.shape[0], x.shape[1] // 2)
-    torch.ops.minivllm_cpu.silu_and_mul(out, x)
+    _ops().silu_and_mul(out, x)
     return out
 
 
@@ -160,4 +203,4 @@ def rotary_embedding(
 ) -> None:
     """Rotate heads ``0 .. num_rotated-1`` of ``qk [T, heads, head_dim]`` in place by the angles of ``positions
     int64 [T]`` (float32 tables ``[max_position, head_dim]``, the layout of ``RotaryEmbedding``)."""
-    torch.ops.minivllm_cpu.rotary_embedding(positions, qk, num_rotated, cos, sin)
+    _ops().rotary_embedding(positions, qk, num_rotated, cos, sin)

@@ -188,3 +188,90 @@ def test_paged_attention_decode_many_requests(dtype, atol):
     custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, 0.125)
     ref = _reference(query, cache, tables, lens, rows, 16, 0.125)
     torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)
+
+
+def _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size):
+    """Random bf16 cache; prefill chunks of qlens tokens after ctxs tokens of context, blocks scattered."""
+    need = [-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)]
+    num_blocks = sum(need) + 2
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(num_blocks, generator=g).tolist()
+    tables, used = [], 0
+    for n in need:
+        tables.append(perm[used : used + n] + [0] * (max(need) - n))
+        used += n
+    qsl = [0]
+    for q in qlens:
+        qsl.append(qsl[-1] + q)
+    query = torch.randn(qsl[-1], heads, head_dim, generator=g).to(torch.bfloat16)
+    seq = [q + c for q, c in zip(qlens, ctxs)]
+    md = AttentionMetadata(torch.tensor(qsl), torch.tensor(seq), torch.tensor(ctxs), torch.tensor(tables), None, None,
+                           block_size, list(qlens), seq, list(ctxs), qsl[:-1], [], list(range(len(qlens))))
+    return cache, md, query
+
+
+needs_prefill_kernel = pytest.mark.skipif(not custom_ops.prefill_kernel_available(),
+                                          reason="this CPU has no AVX512-BF16")
+
+
+@needs_prefill_kernel
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 1, 64)])
+@pytest.mark.parametrize("block_size", [16, 5, 32])
+def test_paged_attention_prefill_equals_reference(heads, kv_heads, head_dim, block_size):
+    g = torch.Generator().manual_seed(heads + block_size)
+    # whole prompts (no context), chunks after earlier chunks, one token after context, tile edges (32, 33)
+    qlens, ctxs = [70, 33, 2, 32, 17], [0, 64, 40, 0, 3]
+    cache, md, query = _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size)
+    out = torch.full_like(query, 5.0)
+    custom_ops.paged_attention_prefill(out, query, cache, md.block_table, md.query_start_loc[:-1],
+                                       torch.tensor(qlens), torch.tensor(ctxs), head_dim ** -0.5)
+    ref = reference_paged_attention(query, cache, md, head_dim ** -0.5)
+    # P is rounded to bf16 before P.V (as in PyTorch's bf16 flash attention): about 3 significant digits.
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
+    assert (out - ref).float().abs().mean() < 2e-3
+
+
+@needs_prefill_kernel
+def test_paged_attention_prefill_rejects_bad_blocks():
+    g = torch.Generator().manual_seed(7)
+    cache, md, query = _prefill_case(g, [20], [10], 9, 3, 64, 16)
+    out = torch.zeros_like(query)
+    bad = md.block_table.clone()
+    bad[0, 1] = 10_000
+    with pytest.raises(RuntimeError, match="block_table"):
+        custom_ops.paged_attention_prefill(out, query, cache, bad, torch.tensor([0]), torch.tensor([20]),
+                                           torch.tensor([10]), 0.125)
+    with pytest.raises(RuntimeError, match="blocks"):  # 2 blocks hold 32 keys, not 45
+        custom_ops.paged_attention_prefill(out, query, cache, md.block_table, torch.tensor([0]), torch.tensor([20]),
+                                           torch.tensor([25]), 0.125)
+    assert (out == 0).all()
+
+
+@needs_prefill_kernel
+def test_bf16_engine_prefill_kernel_on_head_dim_64(monkeypatch):
+    """A random model with head_dim 64 (the kernel's size) in bf16: chunked prefill + decodes through both
+    attention kernels give logits within bf16 precision of the PyTorch operators."""
+    from minivllm.model.loader import tiny_llama_config
+
+    model = build_tiny_model(tiny_llama_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
+                             dtype=torch.bfloat16)
+    calls = []
+    kernel = custom_ops.paged_attention_prefill
+    monkeypatch.setattr(custom_ops, "paged_attention_prefill", lambda *a: (calls.append(1), kernel(*a)))
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv("MINIVLLM_CPU_KERNELS", flag)
+        calls.clear()
+        eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+        eng.model_runner.keep_logits = True
+        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+        for n in (7, 50, 100):
+            eng.add_request(str(n), {"prompt_token_ids": [(5 * i) % 500 + 3 for i in range(n)]}, sp)
+        rows = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            rows.append(eng.model_runner.last_inputs.logits.clone())
+        logits[flag] = rows
+        assert bool(calls) == (flag == "1")
+    for a, b in zip(logits["1"], logits["0"]):
+        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)

@@ -51,6 +51,8 @@ class AttentionMetadata:
             padding is gathered; ``None`` means one group made of the three fields above.
         decode_seq_lens: ``int64 [R]`` keys of each decode request, set when the step runs the CPU kernel
             ``custom_ops.paged_attention_decode`` (which needs no mask, groups or workspace).
+        prefill_kernel_args: ``(block_table [P, nblk], query_start [P], query_lens [P], context_lens [P])`` of the
+            prefill requests, set when the step runs ``custom_ops.paged_attention_prefill``.
     """
 
     query_start_loc: torch.Tensor
@@ -74,6 +76,7 @@ class AttentionMetadata:
     # Gather buffer of the decode path: allocated by the first layer, reused by the others.
     decode_workspace: Optional[torch.Tensor] = None
     decode_seq_lens: Optional[torch.Tensor] = None
+    prefill_kernel_args: Optional[tuple] = None
 
     @property
     def num_reqs(self) -> int:
@@ -222,9 +225,9 @@ def paged_attention(
 ) -> torch.Tensor:
     """The fast path: equal to ``reference_paged_attention`` up to float rounding.
 
-    In bfloat16 on the CPU, when the model runner prepared ``md.decode_seq_lens``, the decode requests run through
-    the C++ kernel ``custom_ops.paged_attention_decode``, which reads each request's blocks in place. Otherwise,
-    decode requests (one query token each) are split into groups of similar length (``md.get_decode_groups``);
+    In bfloat16 on the CPU, when the model runner prepared ``md.decode_seq_lens`` (``md.prefill_kernel_args``), the
+    decode requests (prefill chunks) run through the C++ kernel ``custom_ops.paged_attention_decode``
+    (``paged_attention_prefill``), which reads each request's blocks in place. Otherwise, decode requests (one query token each) are split into groups of similar length (``md.get_decode_groups``);
     each group's keys are gathered into a padded batch and handled by two batched matmuls with a key-length mask
     (``paged_decode_attention``). Each prefill chunk goes through PyTorch's
     ``scaled_dot_product_attention``: with ``is_causal=True`` straight on this step's keys when the chunk has no
@@ -254,6 +257,9 @@ def paged_attention(
             return paged_decode_attention(query, kv_cache, groups[0], md, scale)
     for g in groups:
         out[g.token_idx] = paged_decode_attention(query[g.token_idx], kv_cache, g, md, scale)
+    if md.prefill_reqs and md.prefill_kernel_args is not None and custom_ops.usable(query):
+        custom_ops.paged_attention_prefill(out, query, kv_cache, *md.prefill_kernel_args, scale)
+        return out
     for i in md.prefill_reqs:
         s, q_len, ctx = md.query_start_list[i], md.query_lens[i], md.computed_list[i]
         q = query[s : s + q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]

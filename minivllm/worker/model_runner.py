@@ -104,6 +104,7 @@ class ModelRunner:
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.dtype = next(model.parameters()).dtype
+        self._head_dim = model.config.head_dim
         self.requests: Dict[str, CachedRequestState] = {}
         self.kv_caches: List[torch.Tensor] = self._allocate_kv_caches(0)
         self.graph_runner: Optional[DecodeGraphRunner] = None
@@ -225,7 +226,13 @@ class ModelRunner:
             nblk = -(-max(dl) // bs)
             md.decode_token_idx = t(qsl[decode_reqs])
             md.decode_block_table = block_table[decode_reqs, :nblk]
-        if decode_reqs and self._use_cpu_kernels():
+        kernels = self._use_cpu_kernels()
+        if prefill_reqs and kernels and self._head_dim in (64, 128) and custom_ops.prefill_kernel_available():
+            md.prefill_kernel_args = (
+                block_table[prefill_reqs], t(qsl[prefill_reqs]), t([qlens[i] for i in prefill_reqs]),
+                t([computed[i] for i in prefill_reqs]),
+            )
+        if decode_reqs and kernels:
             md.decode_seq_lens = t(dl)  # the kernel reads each request's own blocks: no mask, groups or padding
         elif decode_reqs:
             key_pos = torch.arange(nblk * bs, device=dev)

@@ -1,0 +1,272 @@
+// Causal attention of prefill chunks over the paged KV cache, FlashAttention style (Dao et al. 2022, online
+// softmax over key blocks; vLLM's CPU backend: csrc/cpu/attention.cpp and the SDPA-based prefill of
+// vllm/v1/attention/backends/cpu_attn.py).
+//
+// Each work item is a tile of up to 16 query positions of one request, for the `group` query heads of one KV head.
+// Keys and values are read block by block through the request's block table (a chunk's earlier context included),
+// so nothing is gathered; only blocks at or before the tile's last position are visited, so the masked upper
+// triangle is skipped (PyTorch's CPU flash kernel computes whole 512-key blocks). Q.K^T uses the AVX512-BF16
+// dot-product instruction on keys transposed into pairs; softmax and P.V are float32.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define MINIVLLM_PREFILL_KERNEL 1
+#else
+#define MINIVLLM_PREFILL_KERNEL 0
+#endif
+
+namespace minivllm {
+
+bool prefill_kernel_available() { return MINIVLLM_PREFILL_KERNEL; }
+
+#if MINIVLLM_PREFILL_KERNEL
+namespace {
+
+constexpr int kTile = 32;       // query positions per work item
+constexpr int kKeys = 16;       // keys per block of the score computation: one 512-bit vector of scores
+constexpr int kRowsAtOnce = 8;  // query rows whose Q.K^T runs interleaved (independent dependency chains)
+constexpr int kPvRows = 4;      // query rows whose P.V runs together (16 accumulators in registers)
+
+struct Item {
+  int64_t req, kv_head, tile_start, tile_len;
+};
+
+inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
+
+// D: head_dim (a multiple of 32). Two passes per tile, as the decode kernel: all scores of the tile's rows, then
+// softmax, then P.V with P rounded to bfloat16 (as PyTorch's bf16 flash attention does for its second matmul).
+template <int D>
+void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                  const std::vector<int64_t>& q_start, const std::vector<int64_t>& q_len,
+                  const std::vector<int64_t>& ctx_len, float scale) {
+  const int64_t num_heads = query.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t value_offset = num_blocks * block_size * token_stride;
+  const int64_t q_row_stride = query.stride(0), out_row_stride = out.stride(0), bt_stride = block_table.stride(0);
+  const uint16_t* q_ptr = ptr<BF16>(query);
+  const uint16_t* kv_ptr = ptr<BF16>(kv_cache);
+  uint16_t* out_ptr = ptr<BF16>(out);
+  const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
+
+  std::vector<Item> items;
+  int64_t max_keys = 0;
+  for (size_t r = 0; r < q_len.size(); ++r) {
+    max_keys = std::max(max_keys, ctx_len[r] + q_len[r]);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t s = 0; s < q_len[r]; s += kTile)
+        items.push_back({int64_t(r), h, s, std::min<int64_t>(kTile, q_len[r] - s)});
+  }
+  // Most keys first: the longest tiles start early and the threads finish together.
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return ctx_len[a.req] + a.tile_start > ctx_len[b.req] + b.tile_start;
+  });
+  const int64_t keys_cap = (max_keys + kKeys - 1) / kKeys * kKeys;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+    const int64_t max_rows = kTile * group;
+    std::vector<float> scores(max_rows * keys_cap);
+    std::vector<uint16_t> probs(max_rows * keys_cap);  // bf16, two keys per 32-bit word
+    std::vector<int64_t> qpos(max_rows);
+    std::vector<const uint16_t*> qrow(max_rows);
+    std::vector<float> inv_sum(max_rows);
+    alignas(64) uint32_t kt[D / 2][kKeys];     // keys as bf16 pairs: kt[p][k] = (K[k][2p], K[k][2p+1])
+    alignas(64) uint32_t vt[kKeys / 2][D];     // values as key pairs: vt[j][d] = (V[2j][d], V[2j+1][d])
+    const uint16_t* krow[kKeys];
+    for (int64_t it = begin; it < end; ++it) {
+      const Item& item = items[it];
+      const int64_t ctx = ctx_len[item.req];
+      const int64_t* blocks = bt_ptr + item.req * bt_stride;
+      const int64_t n_rows = item.tile_len * group;
+      // Row i = (position i / group, query head i % group).
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t t = item.tile_start + i / group;
+        qpos[i] = ctx + t;
+        qrow[i] = q_ptr + (q_start[item.req] + t) * q_row_stride + (item.kv_head * group + i % group) * D;
+      }
+      const int64_t n_keys = ctx + item.tile_start + item.tile_len;  // keys 0 .. the tile's last position
+      const int64_t n_keys_padded = (n_keys + kKeys - 1) / kKeys * kKeys;
+      const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+
+      // Pass 1: scores[i][k] = scale * q_i . k_k, -inf where k is in row i's future.
+      for (int64_t k0 = 0; k0 < n_keys; k0 += kKeys) {
+        const int64_t nk = std::min<int64_t>(kKeys, n_keys - k0);
+        for (int64_t k = 0; k < nk; ++k) {
+          const int64_t pos = k0 + k;
+          krow[k] = kv_ptr + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride +
+                    item.kv_head * D;
+        }
+        for (int p = 0; p < D / 2; ++p)
+          for (int64_t k = 0; k < kKeys; ++k) kt[p][k] = k < nk ? pair(krow[k][2 * p], krow[k][2 * p + 1]) : 0u;
+        const __m512i key_pos = _mm512_add_epi32(_mm512_set1_epi32(int32_t(k0)), lane);
+        for (int64_t i0 = 0; i0 < n_rows; i0 += kRowsAtOnce) {
+          const int64_t nr = std::min<int64_t>(kRowsAtOnce, n_rows - i0);
+          // Rows past the tile repeat its last row (results dropped): no branch in the loop, so the
+          // accumulators stay in registers.
+          const uint16_t* qr[kRowsAtOnce];
+          #pragma GCC unroll 32
+          for (int r = 0; r < kRowsAtOnce; ++r) qr[r] = qrow[i0 + std::min<int64_t>(r, nr - 1)];
+          __m512 s[kRowsAtOnce];
+          #pragma GCC unroll 32
+          for (int r = 0; r < kRowsAtOnce; ++r) s[r] = _mm512_setzero_ps();
+          #pragma GCC unroll 32
+          for (int p = 0; p < D / 2; ++p) {
+            const __m512bh kv = (__m512bh)_mm512_load_si512(kt[p]);
+            #pragma GCC unroll 32
+            for (int r = 0; r < kRowsAtOnce; ++r) {
+              uint32_t w;
+              __builtin_memcpy(&w, qr[r] + 2 * p, 4);
+              s[r] = _mm512_dpbf16_ps(s[r], (__m512bh)_mm512_set1_epi32(int32_t(w)), kv);
+            }
+          }
+          for (int r = 0; r < nr; ++r) {
+            const int64_t i = i0 + r;
+            const __mmask16 valid = _mm512_cmple_epi32_mask(key_pos, _mm512_set1_epi32(int32_t(qpos[i])));
+            _mm512_storeu_ps(scores.data() + i * keys_cap + k0,
+                             _mm512_mask_mov_ps(_mm512_set1_ps(neg_inf), valid,
+                                                _mm512_mul_ps(s[r], _mm512_set1_ps(scale))));
+          }
+        }
+      }
+      // Softmax per row (float32), probabilities rounded to bf16; keys past the row's position get 0.
+      for (int64_t i = 0; i < n_rows; ++i) {
+        float* sr = scores.data() + i * keys_cap;
+        __m512 mx = _mm512_set1_ps(neg_inf);
+        for (int64_t k = 0; k < n_keys_padded; k += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(sr + k));
+        const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(mx));  // finite: key 0 is always visible
+        __m512 sum = _mm512_setzero_ps();
+        uint16_t* pr = probs.data() + i * keys_cap;
+        for (int64_t k = 0; k < n_keys_padded; k += 16) {
+          const __m512 x = _mm512_loadu_ps(sr + k);
+          const __mmask16 visible = _mm512_cmp_ps_mask(x, _mm512_set1_ps(neg_inf), _CMP_NEQ_OQ);
+          const __m512 e = _mm512_maskz_mov_ps(visible, (__m512)vexp16((vfloat16)_mm512_sub_ps(x, m)));
+          const __m512 eb = (__m512)round_to_bf16((vfloat16)e);  // sum what P.V will use
+          sum = _mm512_add_ps(sum, eb);
+          store16<BF16>(pr + k, (vfloat16)eb);
+        }
+        inv_sum[i] = 1.f / _mm512_reduce_add_ps(sum);
+      }
+      // Pass 2: out_i = sum_k p_ik v_k / sum_k p_ik, kPvRows rows at a time with dpbf16 over key pairs.
+      for (int64_t i0 = 0; i0 < n_rows; i0 += kPvRows) {
+        const int64_t nr = std::min<int64_t>(kPvRows, n_rows - i0);
+        __m512 acc[kPvRows][D / 16];
+        #pragma GCC unroll 32
+        for (int r = 0; r < kPvRows; ++r)
+          #pragma GCC unroll 32
+          for (int c = 0; c < D / 16; ++c) acc[r][c] = _mm512_setzero_ps();
+        // Only keys up to the last row's position matter (rows of one tile grow by one position each).
+        const int64_t last = qpos[i0 + nr - 1] + 1;
+        for (int64_t k0 = 0; k0 < last; k0 += kKeys) {
+          const int64_t nk = std::min<int64_t>(kKeys, n_keys - k0);
+          for (int64_t k = 0; k < kKeys; ++k) {
+            if (k < nk) {
+              const int64_t pos = k0 + k;
+              krow[k] = kv_ptr + value_offset +
+                        (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + item.kv_head * D;
+            } else {
+              krow[k] = nullptr;
+            }
+          }
+          for (int j = 0; j < kKeys / 2; ++j) {
+            const uint16_t* a = krow[2 * j];
+            const uint16_t* b = krow[2 * j + 1];
+            for (int d = 0; d < D; ++d) vt[j][d] = pair(a ? a[d] : 0, b ? b[d] : 0);
+          }
+          const uint16_t* pr[kPvRows];  // rows past the tile repeat its last row, as in pass 1
+          #pragma GCC unroll 32
+          for (int r = 0; r < kPvRows; ++r) pr[r] = probs.data() + (i0 + std::min<int64_t>(r, nr - 1)) * keys_cap + k0;
+          #pragma GCC unroll 32
+          for (int j = 0; j < kKeys / 2; ++j) {
+            __m512bh pb[kPvRows];
+            #pragma GCC unroll 32
+            for (int r = 0; r < kPvRows; ++r) {
+              uint32_t w;
+              __builtin_memcpy(&w, pr[r] + 2 * j, 4);
+              pb[r] = (__m512bh)_mm512_set1_epi32(int32_t(w));
+            }
+            #pragma GCC unroll 32
+            for (int c = 0; c < D / 16; ++c) {
+              const __m512bh v = (__m512bh)_mm512_load_si512(&vt[j][16 * c]);
+              #pragma GCC unroll 32
+              for (int r = 0; r < kPvRows; ++r) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], pb[r], v);
+            }
+          }
+        }
+        for (int r = 0; r < nr; ++r) {
+          const int64_t i = i0 + r;
+          const int64_t t = item.tile_start + i / group;
+          uint16_t* dst = out_ptr + (q_start[item.req] + t) * out_row_stride + (item.kv_head * group + i % group) * D;
+          #pragma GCC unroll 32
+          for (int c = 0; c < D / 16; ++c)
+            store16<BF16>(dst + 16 * c, (vfloat16)_mm512_mul_ps(acc[r][c], _mm512_set1_ps(inv_sum[i])));
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
+void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
+                             const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_lens,
+                             const at::Tensor& context_lens, double scale) {
+  TORCH_CHECK(MINIVLLM_PREFILL_KERNEL, "paged_attention_prefill: this build has no AVX512-BF16 kernel "
+              "(check custom_ops.prefill_kernel_available() first)");
+  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
+                  out.scalar_type() == at::kBFloat16,
+              "paged_attention_prefill: query, out and kv_cache must be bfloat16");
+  TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
+              "paged_attention_prefill: query must be [tokens, num_heads, head_dim] with contiguous heads");
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
+              "paged_attention_prefill: out must have query's shape with contiguous heads");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
+                  kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+              "paged_attention_prefill: kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] "
+              "matching query");
+  TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "paged_attention_prefill: head_dim must be 64 or 128, got ",
+              query.size(2));
+  const int64_t n = query_lens.numel();
+  TORCH_CHECK(block_table.scalar_type() == at::kLong && block_table.dim() == 2 && block_table.stride(1) == 1 &&
+                  block_table.size(0) == n,
+              "paged_attention_prefill: block_table must be int64 [num_reqs, max_blocks] with contiguous rows");
+  for (const at::Tensor* t : {&query_start, &query_lens, &context_lens})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous() && t->numel() == n,
+                "paged_attention_prefill: query_start, query_lens and context_lens need one int64 per request");
+  std::vector<int64_t> qs(query_start.data_ptr<int64_t>(), query_start.data_ptr<int64_t>() + n);
+  std::vector<int64_t> ql(query_lens.data_ptr<int64_t>(), query_lens.data_ptr<int64_t>() + n);
+  std::vector<int64_t> cl(context_lens.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>() + n);
+  const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
+  for (int64_t r = 0; r < n; ++r) {
+    TORCH_CHECK(ql[r] >= 1 && cl[r] >= 0 && qs[r] >= 0 && qs[r] + ql[r] <= query.size(0),
+                "paged_attention_prefill: request ", r, " has query rows ", qs[r], "..", qs[r] + ql[r] - 1,
+                " outside 0..", query.size(0) - 1, " or a negative context");
+    const int64_t nblk = (cl[r] + ql[r] + block_size - 1) / block_size;
+    TORCH_CHECK(nblk <= block_table.size(1), "paged_attention_prefill: request ", r, " needs ", nblk,
+                " blocks, block_table has ", block_table.size(1));
+    for (int64_t j = 0; j < nblk; ++j) {
+      const int64_t b = block_table.data_ptr<int64_t>()[r * block_table.stride(0) + j];
+      TORCH_CHECK(b >= 0 && b < num_blocks, "paged_attention_prefill: block_table[", r, ", ", j, "] = ", b,
+                  " is outside 0..", num_blocks - 1);
+    }
+  }
+#if MINIVLLM_PREFILL_KERNEL
+  if (query.size(2) == 64)
+    prefill_impl<64>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+  else
+    prefill_impl<128>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+#endif
+}
+
+}  // namespace minivllm
