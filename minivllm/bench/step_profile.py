@@ -12,7 +12,7 @@ from typing import Dict, List, Tuple
 # First matching rule wins (``bmm`` before ``mm``).
 CATEGORIES: List[Tuple[str, Tuple[str, ...]]] = [
     ("attention: KV gather", ("index_select",)),
-    ("attention: QK^T, softmax, PV", ("bmm", "softmax", "masked_fill", "scaled_dot_product", "paged_attention_decode")),
+    ("attention: QK^T, softmax, PV", ("bmm", "softmax", "masked_fill", "scaled_dot_product", "paged_attention")),
     ("linear layers + LM head", ("_linear_pointwise", "aten::mm", "aten::addmm")),
     ("KV cache write", ("index_copy",)),
     ("sampling", ("argmax", "exponential", "topk", "sort")),
