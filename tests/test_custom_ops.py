@@ -47,7 +47,9 @@ def _reference(query, cache, tables, lens, rows, block_size, scale):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 40)])
+# GQA groups 1, 2, 3, 4, 5 and 8 (5: no compiled instance, the generic loop), head_dim 40 (the generic loop)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 64), (8, 2, 64),
+                                                     (10, 2, 64), (16, 2, 128)])
 def test_paged_attention_decode_equals_reference(dtype, atol, heads, kv_heads, head_dim):
     g = torch.Generator().manual_seed(heads * head_dim)
     lens = [1, 15, 16, 17, 64, 100]  # one key, block boundaries on both sides, several blocks
