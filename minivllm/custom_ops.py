@@ -1,10 +1,12 @@
 """The engine's own CPU kernels (``minivllm/csrc``), compiled on first use, and their Python entry points (vLLM:
 ``vllm/_custom_ops.py`` over ``csrc/cpu``).
 
-Five operators, each replacing several PyTorch operators of one decoder layer:
+Six operators, each replacing several PyTorch operators of one decoder layer:
 
 * ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
   cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
+* ``paged_attention_prefill``: causal attention of prefill chunks over the same blocks, FlashAttention-style,
+  where the CPU has AVX512-BF16 (``csrc/prefill_attention.cpp``; ``prefill_kernel_available()``).
 * ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
 * ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
 * ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
@@ -16,8 +18,8 @@ stays on the PyTorch operators: it is the exact reference the course compares ag
 token. If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
-Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype or layout, before it
-writes anything, except for out-of-range block ids or positions, which are found while computing.
+Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype, layout, block id or
+position, before it writes anything.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from typing import Optional
 import torch
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp", "torch_bindings.cpp"]
+SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp",
+           "torch_bindings.cpp"]
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]

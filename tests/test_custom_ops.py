@@ -149,8 +149,12 @@ def test_rotary_embedding_is_bit_identical(dtype):
     custom_ops.rotary_embedding(pos, qk, 12, rope.cos_cache, rope.sin_cache)
     assert torch.equal(qk, expected)
     assert torch.equal(qkv[:, 768:], v_before)  # v is not touched
+    bad = pos.clone()
+    bad[-1] = 4096  # one past the table: nothing is rotated, not even the rows before it
+    before = qk.clone()
     with pytest.raises(RuntimeError, match="position"):
-        custom_ops.rotary_embedding(torch.full((50,), 4096), qk, 12, rope.cos_cache, rope.sin_cache)
+        custom_ops.rotary_embedding(bad, qk, 12, rope.cos_cache, rope.sin_cache)
+    assert torch.equal(qk, before)
 
 
 def test_bf16_engine_with_and_without_kernels(monkeypatch):

@@ -25,12 +25,11 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& qk, int64_t num_rotate
   const float* sp = sin.data_ptr<float>();
   using T = typename S::storage;
   T* xp = ptr<S>(qk);
-  const int64_t ts = qk.stride(0), max_pos = cos.size(0);
+  const int64_t ts = qk.stride(0);
   at::parallel_for(0, qk.size(0), 16, [&](int64_t b, int64_t e) {
     std::vector<float> x(dim);
     for (int64_t t = b; t < e; ++t) {
       const int64_t p = pos[t];
-      TORCH_CHECK(p >= 0 && p < max_pos, "rotary_embedding: position ", p, " is outside 0..", max_pos - 1);
       const float* c = cp + p * dim;
       const float* s = sp + p * dim;
       for (int64_t h = 0; h < num_rotated; ++h) {
@@ -65,6 +64,10 @@ void rotary_embedding(const at::Tensor& positions, at::Tensor& qk, int64_t num_r
   TORCH_CHECK(cos.scalar_type() == at::kFloat && sin.scalar_type() == at::kFloat && cos.is_contiguous() &&
                   sin.is_contiguous() && cos.dim() == 2 && cos.size(1) == qk.size(2) && sin.sizes() == cos.sizes(),
               "rotary_embedding: cos and sin must be contiguous float32 [max_position, head_dim]");
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  for (int64_t t = 0; t < positions.numel(); ++t)  // all positions checked before anything is rotated
+    TORCH_CHECK(pos[t] >= 0 && pos[t] < cos.size(0), "rotary_embedding: position ", pos[t], " is outside 0..",
+                cos.size(0) - 1);
   dispatch_float_types("rotary_embedding", qk.scalar_type(),
                        [&]<typename S>() { rotary_impl<S>(positions, qk, num_rotated, cos, sin); });
 }
