@@ -5,7 +5,7 @@ Six operators, each replacing several PyTorch operators of one decoder layer:
 
 * ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
   cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
-* ``paged_attention_prefill``: causal attention of prefill chunks over the same blocks, FlashAttention-style,
+* ``paged_attention_prefill``: causal attention of prefill chunks over the same blocks, in tiles,
   where the CPU has AVX512-BF16 (``csrc/prefill_attention.cpp``; ``prefill_kernel_available()``).
 * ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
 * ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
@@ -18,8 +18,8 @@ stays on the PyTorch operators: it is the exact reference the course compares ag
 token. If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
-Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype, layout, block id or
-position, before it writes anything.
+Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype, layout, block id,
+position or an output row claimed by two requests, before it writes anything.
 """
 
 from __future__ import annotations
@@ -161,7 +161,8 @@ def paged_attention_prefill(
     context_lens: torch.Tensor,
     scale: float,
 ) -> None:
-    """Causal attention of prefill chunks read in place from the paged cache (FlashAttention-style online softmax).
+    """Causal attention of prefill chunks read in place from the paged cache (tiles of 32 positions, an exact
+    two-pass float32 softmax per tile).
 
     Request ``i``'s query rows ``query_start[i] .. query_start[i] + query_lens[i] - 1`` sit at positions
     ``context_lens[i] + 0, 1, ...`` and attend to keys ``0 ..`` their own position (earlier chunks included),
@@ -196,7 +197,7 @@ def fused_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Te
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2 d]`` -> ``silu(x[:, :d]) * x[:, d:]`` ``[T, d]``, the SiLU rounded to the dtype before the product."""
-    out = x.new_empty(x.shape[0], x.shape[1] // 2)
+    out = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))  # a wrong rank is the kernel's RuntimeError
     _ops().silu_and_mul(out, x)
     return out
 

@@ -1,6 +1,7 @@
 """minivllm's C++ CPU kernels (``minivllm/csrc``, ``minivllm.custom_ops``) against the PyTorch code they replace."""
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -16,9 +17,23 @@ from minivllm.model.loader import build_tiny_model
 pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", reason="kernels switched off")
 
 
+@pytest.mark.skipif(shutil.which("g++") is None and shutil.which("c++") is None, reason="no C++ compiler")
 def test_kernels_build_here():
-    # g++ is on every machine of the course (README); a build failure must not go unnoticed.
+    # With a compiler present, a build failure must not go unnoticed (the engine would silently fall back).
     assert custom_ops.load(), custom_ops.build_error()
+
+
+def test_engine_falls_back_when_the_kernels_cannot_be_built(monkeypatch):
+    """A machine without a compiler: load() reports False, the bf16 engine runs PyTorch operators only."""
+    monkeypatch.setitem(custom_ops._state, "loaded", False)
+    monkeypatch.setitem(custom_ops._state, "error", "simulated: no compiler")
+    called = []
+    monkeypatch.setattr(custom_ops, "_ops", lambda: called.append(1))
+    eng = LLMEngine(build_tiny_model(dtype=torch.bfloat16), enable_prefix_caching=False)
+    eng.add_request("a", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=3))
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert not called and not custom_ops.usable(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size, num_blocks=64, extra_rows=0):
@@ -47,17 +62,19 @@ def _reference(query, cache, tables, lens, rows, block_size, scale):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
+@pytest.mark.parametrize("block_size", [16, 5, 32])
 # GQA groups 1, 2, 3, 4, 5 and 8 (5: no compiled instance, the generic loop), head_dim 40 (the generic loop)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (6, 2, 40), (4, 2, 64), (8, 2, 64),
                                                      (10, 2, 64), (16, 2, 128)])
-def test_paged_attention_decode_equals_reference(dtype, atol, heads, kv_heads, head_dim):
-    g = torch.Generator().manual_seed(heads * head_dim)
+def test_paged_attention_decode_equals_reference(dtype, atol, block_size, heads, kv_heads, head_dim):
+    g = torch.Generator().manual_seed(heads * head_dim + block_size)
     lens = [1, 15, 16, 17, 64, 100]  # one key, block boundaries on both sides, several blocks
-    cache, tables, query, rows = _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size=16, extra_rows=3)
+    cache, tables, query, rows = _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size, num_blocks=80,
+                                              extra_rows=3)
     out = torch.full_like(query, 7.0)
     scale = head_dim ** -0.5
     custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, scale)
-    ref = _reference(query, cache, tables, lens, rows, 16, scale)
+    ref = _reference(query, cache, tables, lens, rows, block_size, scale)
     torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)
     others = torch.ones(len(query), dtype=torch.bool)
     others[rows] = False
@@ -105,6 +122,8 @@ def test_paged_attention_decode_rejects_bad_input_before_writing():
         custom_ops.paged_attention_decode(out, query, cache, bad, torch.tensor([20, 5]), rows, 0.1)
     with pytest.raises(RuntimeError, match="query_rows"):
         custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor([20, 5]), torch.tensor([0, 9]), 0.1)
+    with pytest.raises(RuntimeError, match="twice"):  # two requests writing one row would race
+        custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor([20, 5]), torch.tensor([1, 1]), 0.1)
     with pytest.raises(RuntimeError, match="dtype"):
         custom_ops.paged_attention_decode(out.double(), query.double(), cache.double(), tables, torch.tensor([20, 5]),
                                           rows, 0.1)
@@ -185,13 +204,20 @@ def test_bf16_engine_with_and_without_kernels(monkeypatch):
 
 
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-6), (torch.bfloat16, 8e-3)])
-def test_paged_attention_decode_many_requests(dtype, atol):
-    # With many requests a work item is a whole request (all KV heads); with few, one (request, KV head).
-    g = torch.Generator().manual_seed(6)
-    lens = torch.randint(1, 200, (4 * torch.get_num_threads() + 5,), generator=g).tolist()
+@pytest.mark.parametrize("threads,num_reqs", [(1, 3), (1, 9), (2, 3), (2, 13)])
+def test_paged_attention_decode_work_items(dtype, atol, threads, num_reqs):
+    # A work item is a whole request (all KV heads) when there are at least 4 per thread, else one
+    # (request, KV head): both splits, each with one and two threads.
+    g = torch.Generator().manual_seed(6 + num_reqs)
+    lens = torch.randint(1, 200, (num_reqs,), generator=g).tolist()
     cache, tables, query, rows = _decode_case(g, dtype, lens, 9, 3, 64, 16, num_blocks=sum(-(-n // 16) for n in lens))
     out = torch.zeros_like(query)
-    custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, 0.125)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        custom_ops.paged_attention_decode(out, query, cache, tables, torch.tensor(lens), rows, 0.125)
+    finally:
+        torch.set_num_threads(before)
     ref = _reference(query, cache, tables, lens, rows, 16, 0.125)
     torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)
 
@@ -247,6 +273,9 @@ def test_paged_attention_prefill_rejects_bad_blocks():
     with pytest.raises(RuntimeError, match="block_table"):
         custom_ops.paged_attention_prefill(out, query, cache, bad, torch.tensor([0]), torch.tensor([20]),
                                            torch.tensor([10]), 0.125)
+    with pytest.raises(RuntimeError, match="overlap"):  # the same 20 rows for two requests
+        custom_ops.paged_attention_prefill(out, query, cache, md.block_table.repeat(2, 1), torch.tensor([0, 0]),
+                                           torch.tensor([20, 20]), torch.tensor([10, 10]), 0.125)
     with pytest.raises(RuntimeError, match="blocks"):  # 2 blocks hold 32 keys, not 45
         custom_ops.paged_attention_prefill(out, query, cache, md.block_table, torch.tensor([0]), torch.tensor([20]),
                                            torch.tensor([25]), 0.125)
@@ -279,5 +308,6 @@ def test_bf16_engine_prefill_kernel_on_head_dim_64(monkeypatch):
             rows.append(eng.model_runner.last_inputs.logits.clone())
         logits[flag] = rows
         assert bool(calls) == (flag == "1")
+    assert len(logits["1"]) == len(logits["0"]) >= 5
     for a, b in zip(logits["1"], logits["0"]):
         torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)

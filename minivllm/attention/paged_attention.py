@@ -245,7 +245,8 @@ def paged_attention(
         ``[num_tokens, num_heads, head_dim]``.
     """
     out = query.new_empty(query.shape)
-    if md.decode_reqs and md.decode_seq_lens is not None and custom_ops.usable(query):
+    # The model runner decided once per step whether the kernels run (it then prepared no mask or groups).
+    if md.decode_reqs and md.decode_seq_lens is not None:
         custom_ops.paged_attention_decode(
             out, query, kv_cache, md.decode_block_table, md.decode_seq_lens, md.decode_token_idx, scale
         )
@@ -257,7 +258,7 @@ def paged_attention(
             return paged_decode_attention(query, kv_cache, groups[0], md, scale)
     for g in groups:
         out[g.token_idx] = paged_decode_attention(query[g.token_idx], kv_cache, g, md, scale)
-    if md.prefill_reqs and md.prefill_kernel_args is not None and custom_ops.usable(query):
+    if md.prefill_reqs and md.prefill_kernel_args is not None:
         custom_ops.paged_attention_prefill(out, query, kv_cache, *md.prefill_kernel_args, scale)
         return out
     for i in md.prefill_reqs:

@@ -3,7 +3,7 @@
 //
 // The PyTorch fast path (minivllm/attention/paged_attention.py) must first copy every decode request's keys and
 // values out of their blocks into a padded batch, because a PyTorch matmul cannot follow a block table. Here each
-// (request, KV head) pair walks its own block table: no copy, no padding, no mask.
+// request walks its own block table: no copy, no padding, no mask.
 
 #include "ops.h"
 
@@ -70,8 +70,9 @@ inline __m512 reduce16(const __m512* v) {
 #endif
 
 #if MINIVLLM_AVX512_BF16
-// acc_out[g] = sum over keys 0 .. len-1 of p[g][key] * v[key] for the G query heads of one KV head, the G x HD / 16
-// accumulators in registers (G and HD compile-time), each value row widened to float32 once.
+// acc_out[g] = sum over keys 0 .. len-1 of p[g][key] * v[key] for the G query heads of one KV head, G and HD
+// compile-time so that the G x HD / 16 accumulators can live in registers (up to 32: G <= 8 at HD 64, G <= 4 at
+// HD 128; beyond that the compiler spills some), each value row widened to float32 once.
 template <int HD, int G>
 void values_bf16(const uint16_t* kv_values, const int64_t* blocks, int64_t block_size, int64_t token_stride,
                  const float* p, int64_t p_stride, int64_t len, float* acc_out) {
@@ -155,10 +156,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t heads_per_item = num_reqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
-  at::parallel_for(0, num_reqs * items_per_req, 1, [&](int64_t begin, int64_t end) {
+  parallel_for_dynamic(num_reqs * items_per_req, [&](auto next_item) {
     std::vector<float> q(qh_per_item * head_dim), acc(qh_per_item * head_dim), logits(qh_per_item * max_len);
     std::vector<vfloat16> acc16(HD > 0 ? qh_per_item * HD / 16 : 0);
-    for (int64_t item = begin; item < end; ++item) {
+    for (int64_t item = next_item(); item >= 0; item = next_item()) {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       const int64_t len = len_ptr[r];
       const int64_t row = row_ptr[r];
@@ -314,10 +315,13 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
   TORCH_CHECK(query_rows.scalar_type() == at::kLong && query_rows.is_contiguous() &&
                   query_rows.numel() == seq_lens.numel() && block_table.size(0) == seq_lens.numel(),
               "paged_attention_decode: query_rows, seq_lens and block_table need one entry per request");
+  std::vector<bool> taken(query.size(0), false);  // two requests writing one row would race
   for (int64_t i = 0; i < query_rows.numel(); ++i) {
     const int64_t row = query_rows.data_ptr<int64_t>()[i];
     TORCH_CHECK(row >= 0 && row < query.size(0), "paged_attention_decode: query_rows[", i, "] = ", row,
                 " is outside 0..", query.size(0) - 1);
+    TORCH_CHECK(!taken[row], "paged_attention_decode: query_rows[", i, "] = ", row, " appears twice");
+    taken[row] = true;
   }
   dispatch_float_types("paged_attention_decode", query.scalar_type(), [&]<typename S>() {
     switch (query.size(2)) {

@@ -4,7 +4,11 @@
 // (uint16_t for bfloat16) because the vectoriser gives up on c10::BFloat16's class methods.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+
+#include <algorithm>
+#include <atomic>
 
 #include <cmath>
 #include <cstdint>
@@ -41,6 +45,21 @@ struct F32 {
   static inline float load(float x) { return x; }
   static inline float store(float x) { return x; }
 };
+
+// Work items of uneven size (requests of different lengths) handed out one at a time to at::get_num_threads()
+// workers: f(next) runs once per worker with its own scratch, and next() returns the next item, or -1 when none is
+// left. at::parallel_for alone splits a range into equal contiguous chunks, so one thread could get all the long
+// requests while the other idles.
+template <typename F>
+inline void parallel_for_dynamic(int64_t n, const F& f) {
+  std::atomic<int64_t> counter{0};
+  auto next = [&counter, n]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { f(next); });
+}
 
 template <typename S>
 inline typename S::storage* ptr(const at::Tensor& t) {

@@ -1,8 +1,8 @@
-// Causal attention of prefill chunks over the paged KV cache, FlashAttention style (Dao et al. 2022, online
-// softmax over key blocks; vLLM's CPU backend: csrc/cpu/attention.cpp and the SDPA-based prefill of
-// vllm/v1/attention/backends/cpu_attn.py).
+// Causal attention of prefill chunks over the paged KV cache, tiled as in FlashAttention (Dao et al. 2022) but
+// with an exact two-pass softmax per tile (all of a tile's scores fit in the cache at these lengths); vLLM's CPU
+// backend: csrc/cpu/attention.cpp and the SDPA-based prefill of vllm/v1/attention/backends/cpu_attn.py.
 //
-// Each work item is a tile of up to 16 query positions of one request, for the `group` query heads of one KV head.
+// Each work item is a tile of up to 32 query positions of one request, for the `group` query heads of one KV head.
 // Keys and values are read block by block through the request's block table (a chunk's earlier context included),
 // so nothing is gathered; only blocks at or before the tile's last position are visited, so the masked upper
 // triangle is skipped (PyTorch's CPU flash kernel computes whole 512-key blocks). Q.K^T uses the AVX512-BF16
@@ -34,7 +34,7 @@ namespace {
 constexpr int kTile = 32;       // query positions per work item
 constexpr int kKeys = 16;       // keys per block of the score computation: one 512-bit vector of scores
 constexpr int kRowsAtOnce = 8;  // query rows whose Q.K^T runs interleaved (independent dependency chains)
-constexpr int kPvRows = 4;      // query rows whose P.V runs together (16 accumulators in registers)
+constexpr int kPvRows = 4;      // query rows whose P.V runs together (4 x D/16 accumulators: 16 registers at D=64)
 
 struct Item {
   int64_t req, kv_head, tile_start, tile_len;
@@ -67,14 +67,14 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
       for (int64_t s = 0; s < q_len[r]; s += kTile)
         items.push_back({int64_t(r), h, s, std::min<int64_t>(kTile, q_len[r] - s)});
   }
-  // Most keys first: the longest tiles start early and the threads finish together.
+  // Most keys first, handed out one at a time: the longest tiles start early and the threads finish together.
   std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
     return ctx_len[a.req] + a.tile_start > ctx_len[b.req] + b.tile_start;
   });
   const int64_t keys_cap = (max_keys + kKeys - 1) / kKeys * kKeys;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
-  at::parallel_for(0, int64_t(items.size()), 1, [&](int64_t begin, int64_t end) {
+  parallel_for_dynamic(int64_t(items.size()), [&](auto next_item) {
     const int64_t max_rows = kTile * group;
     std::vector<float> scores(max_rows * keys_cap);
     std::vector<uint16_t> probs(max_rows * keys_cap);  // bf16, two keys per 32-bit word
@@ -84,7 +84,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
     alignas(64) uint32_t kt[D / 2][kKeys];     // keys as bf16 pairs: kt[p][k] = (K[k][2p], K[k][2p+1])
     alignas(64) uint32_t vt[kKeys / 2][D];     // values as key pairs: vt[j][d] = (V[2j][d], V[2j+1][d])
     const uint16_t* krow[kKeys];
-    for (int64_t it = begin; it < end; ++it) {
+    for (int64_t it = next_item(); it >= 0; it = next_item()) {
       const Item& item = items[it];
       const int64_t ctx = ctx_len[item.req];
       const int64_t* blocks = bt_ptr + item.req * bt_stride;
@@ -248,6 +248,12 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
   std::vector<int64_t> ql(query_lens.data_ptr<int64_t>(), query_lens.data_ptr<int64_t>() + n);
   std::vector<int64_t> cl(context_lens.data_ptr<int64_t>(), context_lens.data_ptr<int64_t>() + n);
   const int64_t block_size = kv_cache.size(2), num_blocks = kv_cache.size(1);
+  std::vector<std::pair<int64_t, int64_t>> ranges;
+  for (int64_t r = 0; r < n; ++r) ranges.push_back({qs[r], qs[r] + ql[r]});
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i)  // two requests writing one row would race
+    TORCH_CHECK(ranges[i].first >= ranges[i - 1].second, "paged_attention_prefill: query rows of two requests overlap at row ",
+                ranges[i].first);
   for (int64_t r = 0; r < n; ++r) {
     TORCH_CHECK(ql[r] >= 1 && cl[r] >= 0 && qs[r] >= 0 && qs[r] + ql[r] <= query.size(0),
                 "paged_attention_prefill: request ", r, " has query rows ", qs[r], "..", qs[r] + ql[r] - 1,

@@ -178,6 +178,7 @@ class ModelRunner:
             self.device.type == "cpu"
             and self.dtype == torch.bfloat16
             and self.model.model.layers[0].self_attn.backend == "sdpa"
+            and not torch.is_grad_enabled()  # the kernels have no backward
             and custom_ops.enabled()
             and custom_ops.load()
         )
