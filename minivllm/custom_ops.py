@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import shutil
 import warnings
 from pathlib import Path
 from typing import Optional
@@ -66,6 +67,18 @@ def _build_name() -> str:
     return "minivllm_cpu_" + h.hexdigest()[:12]
 
 
+def _put_ninja_on_path() -> None:
+    """cpp_extension runs ``ninja`` from PATH; the pip package ``ninja`` installs it next to the venv's python,
+    which is not on PATH when the venv is not activated (``.venv/bin/python -m ...``)."""
+    if shutil.which("ninja") is None:
+        try:
+            import ninja
+
+            os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
+        except ImportError:
+            pass  # the build then fails and the engine falls back, with the error in build_error()
+
+
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the kernels; True when ``torch.ops.minivllm_cpu`` is ready.
 
@@ -76,6 +89,8 @@ def load(verbose: bool = False) -> bool:
         return _state["loaded"]
     try:
         from torch.utils.cpp_extension import load as cpp_load
+
+        _put_ninja_on_path()
 
         cpp_load(
             name=_build_name(),
