@@ -176,28 +176,40 @@ def test_rotary_embedding_is_bit_identical(dtype):
     assert torch.equal(qk, before)
 
 
-def test_bf16_engine_with_and_without_kernels(monkeypatch):
-    """The whole bf16 forward (norms, RoPE, SwiGLU, decode attention through the kernels) against the PyTorch
-    operators, on steps mixing decodes with prefill chunks: the logits agree to bf16 precision."""
-    model = build_tiny_model(dtype=torch.bfloat16)
+def _logits_with_and_without_kernels(monkeypatch, model, kernel_name, prompts, max_tokens):
+    """Step two engines (MINIVLLM_CPU_KERNELS=1, then 0) through the same requests at a token budget of 64.
+
+    Returns ``{"1": [logits per step], "0": [...]}`` and asserts that ``custom_ops.<kernel_name>`` ran in the
+    first engine only.
+    """
     calls = []
-    kernel = custom_ops.paged_attention_decode
-    monkeypatch.setattr(custom_ops, "paged_attention_decode", lambda *a: (calls.append(1), kernel(*a)))
+    kernel = getattr(custom_ops, kernel_name)
+    monkeypatch.setattr(custom_ops, kernel_name, lambda *a: (calls.append(1), kernel(*a)))
     logits = {}
     for flag in ("1", "0"):
         monkeypatch.setenv("MINIVLLM_CPU_KERNELS", flag)
         calls.clear()
         eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
         eng.model_runner.keep_logits = True
-        sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-        for n in (5, 40, 90):  # 90 tokens at a budget of 64: chunked, and mixed with the others' decodes
-            eng.add_request(str(n), {"prompt_token_ids": list(range(3, 3 + n))}, sp)
+        sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+        for i, prompt in enumerate(prompts):
+            eng.add_request(str(i), {"prompt_token_ids": prompt}, sp)
         rows = []
         while eng.has_unfinished_requests():
             eng.step()
             rows.append(eng.model_runner.last_inputs.logits.clone())
         logits[flag] = rows
         assert bool(calls) == (flag == "1")
+    return logits
+
+
+def test_bf16_engine_with_and_without_kernels(monkeypatch):
+    """The whole bf16 forward (norms, RoPE, SwiGLU, decode attention through the kernels) against the PyTorch
+    operators, on steps mixing decodes with prefill chunks: the logits agree to bf16 precision."""
+    model = build_tiny_model(dtype=torch.bfloat16)
+    # 90 tokens at a budget of 64: chunked, and mixed with the others' decodes
+    prompts = [list(range(3, 3 + n)) for n in (5, 40, 90)]
+    logits = _logits_with_and_without_kernels(monkeypatch, model, "paged_attention_decode", prompts, max_tokens=4)
     assert len(logits["1"]) == len(logits["0"]) >= 5
     for a, b in zip(logits["1"], logits["0"]):
         torch.testing.assert_close(a, b, atol=0.05, rtol=0.05)
@@ -290,24 +302,8 @@ def test_bf16_engine_prefill_kernel_on_head_dim_64(monkeypatch):
 
     model = build_tiny_model(tiny_llama_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
                              dtype=torch.bfloat16)
-    calls = []
-    kernel = custom_ops.paged_attention_prefill
-    monkeypatch.setattr(custom_ops, "paged_attention_prefill", lambda *a: (calls.append(1), kernel(*a)))
-    logits = {}
-    for flag in ("1", "0"):
-        monkeypatch.setenv("MINIVLLM_CPU_KERNELS", flag)
-        calls.clear()
-        eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
-        eng.model_runner.keep_logits = True
-        sp = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
-        for n in (7, 50, 100):
-            eng.add_request(str(n), {"prompt_token_ids": [(5 * i) % 500 + 3 for i in range(n)]}, sp)
-        rows = []
-        while eng.has_unfinished_requests():
-            eng.step()
-            rows.append(eng.model_runner.last_inputs.logits.clone())
-        logits[flag] = rows
-        assert bool(calls) == (flag == "1")
+    prompts = [[(5 * i) % 500 + 3 for i in range(n)] for n in (7, 50, 100)]
+    logits = _logits_with_and_without_kernels(monkeypatch, model, "paged_attention_prefill", prompts, max_tokens=3)
     assert len(logits["1"]) == len(logits["0"]) >= 5
     for a, b in zip(logits["1"], logits["0"]):
         torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)

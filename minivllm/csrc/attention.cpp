@@ -43,18 +43,6 @@ inline float dot(const float* __restrict q, const typename S::storage* __restric
 }
 
 #if MINIVLLM_AVX512_BF16
-// q . k straight from bfloat16 storage with the AVX512-BF16 dot-product instruction: 32 products per step,
-// accumulated in float32 (the products of two bf16 values are exact in float32).
-template <int HD>
-inline float dot_bf16(const uint16_t* q, const uint16_t* k) {
-  __m512 acc = _mm512_setzero_ps();
-  for (int d = 0; d < HD; d += 32)
-    acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(q + d), (__m512bh)_mm512_loadu_si512(k + d));
-  return _mm512_reduce_add_ps(acc);
-}
-#endif
-
-#if MINIVLLM_AVX512_BF16
 // v[k] -> the sum of v[k]'s 16 lanes, as lane k of the result: a transposing tree of 45 shuffles and adds instead
 // of 16 horizontal reductions of about 10 operations each.
 inline __m512 reduce16(const __m512* v) {
@@ -166,7 +154,6 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const int64_t* blocks = bt_ptr + r * bt_stride;
       // This item's query heads are h0 * group .. (h0 + heads_per_item) * group - 1: adjacent in the query row.
       const T* q_raw = q_ptr + row * q_row_stride + h0 * group * head_dim;
-      for (int64_t i = 0; i < qh_per_item * head_dim; ++i) q[i] = S::load(q_raw[i]) * fscale;
       // Scores q . k for every key 0 .. len-1, block by block: logits[query head, pos].
 #if MINIVLLM_AVX512_BF16
       if constexpr (std::is_same_v<S, BF16> && HD > 0 && HD % 32 == 0) {
@@ -201,21 +188,17 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         }
       } else
 #endif
-      for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* k_block = kv_ptr + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
-        const int64_t n = std::min(block_size, len - pos);
-        for (int64_t t = 0; t < n; ++t) {
-          const T* k_tok = k_block + t * token_stride;
-          for (int64_t qh = 0; qh < qh_per_item; ++qh) {
-            const T* k = k_tok + (qh / group) * head_dim;
-            float s;
-#if MINIVLLM_AVX512_BF16
-            if constexpr (std::is_same_v<S, BF16> && HD > 0 && HD % 32 == 0)
-              s = dot_bf16<HD>(q_raw + qh * HD, k) * fscale;
-            else
-#endif
-              s = dot<S, HD>(q.data() + qh * head_dim, k, head_dim);
-            logits[qh * max_len + pos + t] = s;
+      {
+        for (int64_t i = 0; i < qh_per_item * head_dim; ++i) q[i] = S::load(q_raw[i]) * fscale;
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+          const T* k_block = kv_ptr + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
+          const int64_t n = std::min(block_size, len - pos);
+          for (int64_t t = 0; t < n; ++t) {
+            const T* k_tok = k_block + t * token_stride;
+            for (int64_t qh = 0; qh < qh_per_item; ++qh) {
+              const T* k = k_tok + (qh / group) * head_dim;
+              logits[qh * max_len + pos + t] = dot<S, HD>(q.data() + qh * head_dim, k, head_dim);
+            }
           }
         }
       }
@@ -242,49 +225,48 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         for (i = 0; i < len; ++i) l[i] *= inv;
       }
       // Output = sum over keys of p * v, block by block.
+      bool done = false;  // acc holds the output
 #if MINIVLLM_AVX512_BF16
       if constexpr (std::is_same_v<S, BF16> && HD > 0 && HD % 32 == 0) {
-        bool done = true;
+        done = true;  // unless the group size has no compiled instance
         for (int64_t kh = 0; kh < heads_per_item && done; ++kh)
           done = values_bf16_dispatch<HD>(group, kv_ptr + value_offset + (h0 + kh) * HD, blocks, block_size,
                                           token_stride, logits.data() + kh * group * max_len, max_len, len,
                                           acc.data() + kh * group * HD);
-        if (done) {
-          T* dst = out_ptr + row * out_row_stride + h0 * group * head_dim;
-          for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
-          continue;
-        }
       }
 #endif
-      std::fill(acc.begin(), acc.end(), 0.f);
-      std::fill(acc16.begin(), acc16.end(), vfloat16{});
-      for (int64_t pos = 0; pos < len; pos += block_size) {
-        const T* v_block = kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
-        const int64_t n = std::min(block_size, len - pos);
-        for (int64_t t = 0; t < n; ++t) {
-          for (int64_t kh = 0; kh < heads_per_item; ++kh) {
-            const T* v_row = v_block + t * token_stride + kh * head_dim;
-            if constexpr (HD > 0) {
-              // The value row is widened to float32 once and used by every query head of the group.
-              vfloat16 v[HD / 16];
-              for (int c = 0; c < HD / 16; ++c) v[c] = load16<S>(v_row + 16 * c);
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t qh = kh * group + g;
-                const float p = logits[qh * max_len + pos + t];
-                for (int c = 0; c < HD / 16; ++c) acc16[qh * (HD / 16) + c] += p * v[c];
-              }
-            } else {
-              for (int64_t g = 0; g < group; ++g) {
-                const int64_t qh = kh * group + g;
-                axpy<S, HD>(acc.data() + qh * head_dim, logits[qh * max_len + pos + t], v_row, head_dim);
+      if (!done) {
+        std::fill(acc.begin(), acc.end(), 0.f);
+        std::fill(acc16.begin(), acc16.end(), vfloat16{});
+        for (int64_t pos = 0; pos < len; pos += block_size) {
+          const T* v_block =
+              kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
+          const int64_t n = std::min(block_size, len - pos);
+          for (int64_t t = 0; t < n; ++t) {
+            for (int64_t kh = 0; kh < heads_per_item; ++kh) {
+              const T* v_row = v_block + t * token_stride + kh * head_dim;
+              if constexpr (HD > 0) {
+                // The value row is widened to float32 once and used by every query head of the group.
+                vfloat16 v[HD / 16];
+                for (int c = 0; c < HD / 16; ++c) v[c] = load16<S>(v_row + 16 * c);
+                for (int64_t g = 0; g < group; ++g) {
+                  const int64_t qh = kh * group + g;
+                  const float p = logits[qh * max_len + pos + t];
+                  for (int c = 0; c < HD / 16; ++c) acc16[qh * (HD / 16) + c] += p * v[c];
+                }
+              } else {
+                for (int64_t g = 0; g < group; ++g) {
+                  const int64_t qh = kh * group + g;
+                  axpy<S, HD>(acc.data() + qh * head_dim, logits[qh * max_len + pos + t], v_row, head_dim);
+                }
               }
             }
           }
         }
+        if constexpr (HD > 0)
+          for (int64_t i = 0; i < qh_per_item * (HD / 16); ++i)
+            for (int j = 0; j < 16; ++j) acc[i * 16 + j] = acc16[i][j];
       }
-      if constexpr (HD > 0)
-        for (int64_t i = 0; i < qh_per_item * (HD / 16); ++i)
-          for (int j = 0; j < 16; ++j) acc[i * 16 + j] = acc16[i][j];
       T* dst = out_ptr + row * out_row_stride + h0 * group * head_dim;
       for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
     }

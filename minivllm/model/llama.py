@@ -129,8 +129,6 @@ class RotaryEmbedding(nn.Module):
         bit-identical) and returns it; otherwise it returns a new tensor.
         """
         if custom_ops.usable(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            if self.cos_cache.device != x.device:
-                self.begin_step(positions)
             custom_ops.rotary_embedding(positions, x, x.shape[1], self.cos_cache, self.sin_cache)
             return x
         cos, sin = self._angles(positions)
