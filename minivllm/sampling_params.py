@@ -24,7 +24,8 @@ class SamplingParams:
         seed: Seed of this request's own ``torch.Generator``. With a seed the sampled text does not depend on
             the batch it runs in, on chunked prefill or on preemption.
         max_tokens: Maximum number of generated tokens (``>= 1``). ``None`` means "up to ``max_model_len``".
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated (EOS also
+            with ``ignore_eos``, as in vLLM).
         stop: Stop strings. Generation stops when the detokenized output contains one; the text is cut before
             it unless ``include_stop_str_in_output``.
         stop_token_ids: Extra token ids that end generation (the token is kept in ``token_ids``).

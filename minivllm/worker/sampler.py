@@ -1,7 +1,8 @@
 """Turn each request's logits row into one token (vLLM: ``vllm/v1/sample/sampler.py``).
 
 Order of operations, as in vLLM: ``min_tokens`` masking (EOS and stop tokens get ``-inf`` until enough tokens
-exist), then greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p, and draw with the
+exist; EOS also with ``ignore_eos``, because vLLM's ``MinTokensLogitsProcessor`` bans every id of
+``SamplingParams.all_stop_token_ids``, which holds EOS either way), then greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p, and draw with the
 exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw from ``p``. A request with a
 ``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
 the batch.
@@ -69,7 +70,7 @@ class Sampler:
             row = logits[i]
             if md.num_output_tokens[i] < sp.min_tokens:
                 banned = list(sp.stop_token_ids)
-                if md.eos_token_ids[i] is not None and not sp.ignore_eos:
+                if md.eos_token_ids[i] is not None:  # also with ignore_eos, as vLLM's all_stop_token_ids
                     banned.append(md.eos_token_ids[i])
                 if banned:
                     row = row.clone()
