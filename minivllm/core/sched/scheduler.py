@@ -364,7 +364,13 @@ class Scheduler:
 
         A request whose step was a partial prefill got ``[]``: nothing is appended, nothing is emitted, and
         ``num_computed_tokens`` (already advanced at schedule time) stays as it is.
+
+        The connector's transfer reports are checked first (see ``_check_kv_xfer_reports``).
+
+        Raises:
+            RuntimeError: a transfer report that vLLM would assert on; raised before any state changes.
         """
+        self._check_kv_xfer_reports(model_runner_output)
         outputs: List[EngineCoreOutput] = []
         stopped: List[Request] = []
         sampled = model_runner_output.sampled_token_ids
@@ -390,9 +396,38 @@ class Scheduler:
         if stopped:
             ids = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in ids]
-        if model_runner_output.finished_recving:
-            self.finished_recving_kv_req_ids |= set(model_runner_output.finished_recving)
+        for req_id in model_runner_output.finished_recving or ():
+            if req_id in self.requests:  # checked above: it is WAITING_FOR_REMOTE_KVS
+                self.finished_recving_kv_req_ids.add(req_id)
         return outputs
+
+    def _check_kv_xfer_reports(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Reject transfer reports for live requests that are not waiting for them (vLLM 0.32
+        ``Scheduler._update_from_kv_xfer_finished``, which asserts on them).
+
+        * ``finished_recving``: vLLM records the id for a request in ``WAITING_FOR_REMOTE_KVS`` and frees the
+          blocks a *finished* request kept for the transfer. minivllm frees a request's blocks when it finishes
+          (``request_finished`` must be done with them; minivllm has no delayed free), so an id it no longer
+          knows has nothing left to free and its report is dropped. Keeping it would make a later load of a
+          request with that id look finished before it is.
+        * ``finished_sending``: vLLM frees the blocks of a finished request; the same holds as above.
+        * Any other state (``WAITING``, ``RUNNING``, ``PREEMPTED``): vLLM asserts; minivllm raises here, before the
+          step's tokens are appended, so the scheduler is left exactly as it was.
+        (vLLM's third report path, blocks that failed to load, has no counterpart in minivllm.)
+        """
+        for kind in ("finished_recving", "finished_sending"):
+            for req_id in sorted(getattr(model_runner_output, kind) or ()):
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                if kind == "finished_recving" and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue
+                expected = "WAITING_FOR_REMOTE_KVS or finished" if kind == "finished_recving" else "finished"
+                raise RuntimeError(
+                    f"{type(self.connector).__name__}.get_finished reported {kind} for request {req_id!r}, which is "
+                    f"{request.status.name} (expected {expected}); vLLM asserts on this report "
+                    "(scheduler.py, _update_from_kv_xfer_finished). The step's outputs were not applied."
+                )
 
     def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> List[Request]:
         """Finish requests from outside the step (abort, stop string). Unknown or finished ids are ignored.
