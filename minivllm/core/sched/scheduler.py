@@ -40,7 +40,7 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
-    preempted_per_step: List[int] = field(default_factory=list)
+    preempted_per_step: List[int] = field(default_factory=list)  # by schedule(); not reset_prefix_cache's
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
@@ -103,6 +103,9 @@ class Scheduler:
         self.requests: Dict[str, Request] = {}
         self.finished_req_ids: Set[str] = set()
         self.finished_recving_kv_req_ids: Set[str] = set()
+        # Preempted between steps by reset_prefix_cache(reset_running_requests=True); sent with the next step's
+        # SchedulerOutput.preempted_req_ids (vLLM keeps every preemption in a set of this name).
+        self.reset_preempted_req_ids: Set[str] = set()
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -285,7 +288,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
+            preempted_req_ids={r.request_id for r in preempted_reqs} | self.reset_preempted_req_ids,
         )
         if self.connector is not None:
             # Once per schedule() call, even when nothing was scheduled (vLLM scheduler.py, build_connector_meta).
@@ -323,6 +326,7 @@ class Scheduler:
             r.num_computed_tokens += n
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
         self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
 
     def _release_blocks_of_waiting_requests(self, keep: Request) -> None:
         """Deadlock guard for async connector loads: free the blocks that waiting requests hold.
@@ -456,9 +460,38 @@ class Scheduler:
         self.finished_recving_kv_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all prefix-cache hashes; only possible while no request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget all prefix-cache hashes (vLLM ``Scheduler.reset_prefix_cache``, v0.32.0). Returns success.
+
+        Without ``reset_running_requests`` it only succeeds while no request holds blocks (else ``False``, nothing
+        changed). With it, every running request is first preempted back to the waiting queue, as vLLM does: taken
+        from the end of ``running`` and put at the front of ``waiting``, so they come back in their running
+        order, ahead of the requests that were already waiting. Each counts as a preemption (its
+        ``num_preemptions`` and ``stats.num_preemptions``) and is listed in the next step's
+        ``SchedulerOutput.preempted_req_ids``; it resumes by recomputing its whole sequence, so greedy (or
+        seeded) outputs do not change.
+
+        Raises:
+            RuntimeError: with ``reset_running_requests``, if a waiting request holds blocks (an asynchronous
+                connector load): the reset could not succeed. vLLM raises too, after preempting; minivllm raises
+                before changing anything.
+        """
+        if reset_running_requests:
+            holders = [r for r in self.waiting if self.kv_cache_manager.get_blocks(r.request_id)]
+            if holders:
+                raise RuntimeError(
+                    "reset_prefix_cache(reset_running_requests=True): waiting requests hold KV blocks for an "
+                    f"asynchronous connector load ({', '.join(f'{r.request_id!r} {r.status.name}' for r in holders)}); "
+                    "preempting the running requests would not free them. Nothing was changed."
+                )
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+                self.reset_preempted_req_ids.add(request.request_id)
+                self.stats.num_preemptions += 1
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        assert ok or not reset_running_requests, "every block should be free after preempting all requests"
+        return ok
 
     def queue_snapshot(self) -> Tuple[List[str], List[str]]:
         """``(waiting ids in queue order, running ids in order)``."""
