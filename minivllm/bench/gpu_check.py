@@ -239,43 +239,51 @@ def add_decode_fields(md) -> None:
     md.decode_key_mask = (key_pos[None, :] >= md.seq_lens[:, None])[:, None, None, :]
 
 
+def _time_both(query, kv_cache, md, scale: float = 0.125, reps: int = 20) -> Dict:
+    import torch
+
+    from minivllm.attention.ops import triton_unified_attention as ua
+    from minivllm.attention.paged_attention import paged_attention
+
+    out = torch.empty_like(query)
+    calls = {
+        "triton_unified_attention": lambda: ua.unified_attention(
+            query, kv_cache[0], kv_cache[1], out, md.query_start_loc, 1, md.seq_lens, max(md.seq_lens_list), scale,
+            md.block_table),
+        "eager_gather_bmm": lambda: paged_attention(query, None, None, kv_cache, md, scale),
+    }
+    row = {}
+    for label, fn in calls.items():
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        row[f"{label}_us"] = round((time.perf_counter() - t) / reps * 1e6, 1)
+    row["speedup"] = round(row["eager_gather_bmm_us"] / row["triton_unified_attention_us"], 2)
+    a = calls["triton_unified_attention"]().float()
+    row["max_abs_diff"] = (a - calls["eager_gather_bmm"]().float()).abs().max().item()
+    return row
+
+
 def _time_decode_kernels(ctx: Context) -> List[Dict]:
     """Microseconds per layer call of a pure-decode batch: the Triton kernel against the engine's eager decode
     path (gather + two ``bmm``, ``minivllm.attention.paged_attention.paged_decode_attention``), bfloat16."""
     import numpy as np
     import torch
 
-    from minivllm.attention.ops import triton_unified_attention as ua
-    from minivllm.attention.paged_attention import paged_attention
-
     rows = []
     rng = np.random.default_rng(1)
-    for name, n, lo, hi, h, kvh in [("smollm_64_decodes", 64, 100, 430, 9, 3), ("smollm_1_decode_4k", 1, 4000, 4000, 9, 3),
-                                    ("llama1b_64_decodes", 64, 100, 430, 32, 8)]:
+    cases = [("smollm_64_decodes", 64, 100, 430, 9, 3), ("smollm_1_decode_4k", 1, 4000, 4000, 9, 3),
+             ("llama1b_64_decodes", 64, 100, 430, 32, 8)]
+    for name, n, lo, hi, h, kvh in cases:
         ctxs = rng.integers(lo, hi + 1, n).tolist()
         query, kv_cache, md = _paged_batch(ctxs, [1] * n, h, kvh, 64, 16, torch.bfloat16, "cuda")
         add_decode_fields(md)
-        out = torch.empty_like(query)
-        scale = 0.125
-        calls = {
-            "triton_unified_attention": lambda: ua.unified_attention(
-                query, kv_cache[0], kv_cache[1], out, md.query_start_loc, 1, md.seq_lens, max(md.seq_lens_list),
-                scale, md.block_table),
-            "eager_gather_bmm": lambda: paged_attention(query, None, None, kv_cache, md, scale),
-        }
         row = {"case": name, "num_seqs": n, "keys": sum(md.seq_lens_list)}
-        for label, fn in calls.items():
-            for _ in range(3):
-                fn()
-            torch.cuda.synchronize()
-            t = time.perf_counter()
-            for _ in range(20):
-                fn()
-            torch.cuda.synchronize()
-            row[f"{label}_us"] = round((time.perf_counter() - t) / 20 * 1e6, 1)
-        row["speedup"] = round(row["eager_gather_bmm_us"] / row["triton_unified_attention_us"], 2)
-        a = calls["triton_unified_attention"]().float()
-        row["max_abs_diff"] = (a - calls["eager_gather_bmm"]().float()).abs().max().item()
+        row.update(_time_both(query, kv_cache, md))
         rows.append(row)
     return rows
 
@@ -298,9 +306,10 @@ def _hf_greedy(hf, prompts: List[List[int]], max_tokens: int, device: str):
     tokens, gaps = [], []
     with torch.inference_mode():
         for p in prompts:
-            res = hf.generate(input_ids=torch.tensor([p], device=device), attention_mask=torch.ones(1, len(p), dtype=torch.long, device=device),
-                              max_new_tokens=max_tokens, min_new_tokens=max_tokens, do_sample=False, num_beams=1,
-                              pad_token_id=0, eos_token_id=None, output_scores=True, return_dict_in_generate=True)
+            ids = torch.tensor([p], device=device)
+            res = hf.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_tokens,
+                              min_new_tokens=max_tokens, do_sample=False, num_beams=1, pad_token_id=0,
+                              eos_token_id=None, output_scores=True, return_dict_in_generate=True)
             tokens.append(res.sequences[0, len(p):].tolist())
             gaps.append([float(s[0].float().topk(2).values.diff().abs()) for s in res.scores])
     return tokens, gaps
@@ -353,7 +362,8 @@ def section_equality(ctx: Context) -> Dict:
         "max_tokens": n, "hf_attn_implementation": hf.config._attn_implementation,
         # A random model that only repeated its input would make equality trivial: how often it does.
         "hf_distinct_tokens": len(set(flat)),
-        "hf_repeat_previous_fraction": round(sum(a == b for r in ref for a, b in zip(r, r[1:])) / max(1, len(flat) - len(ref)), 3),
+        "hf_repeat_previous_fraction": round(
+            sum(a == b for r in ref for a, b in zip(r, r[1:])) / max(1, len(flat) - len(ref)), 3),
         "hf_min_top2_gap": min(min(g) for g in gaps), "scenarios": [],
     }
     unchunked = dict(enable_chunked_prefill=False, max_num_batched_tokens=1024, max_model_len=1024)
@@ -457,8 +467,6 @@ def _decode_rows(model_rows: List[Dict], hf_rows: List[Dict], config, dtype) -> 
 
 def _ensure_model(ctx: Context) -> None:
     """The SmolLM2-shaped random model pair, when ``equality`` (which builds it) was not run."""
-    import torch
-
     from minivllm.bench import random_models
 
     if ctx.model_folder is None:
@@ -585,7 +593,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dry-run", action="store_true", help="tiny sizes on the CPU (kernels under TRITON_INTERPRET=1)")
     p.add_argument("--sections", default=",".join(n for n, _ in SECTIONS), help="comma-separated subset")
     p.add_argument("--backends", default=None, help="attention backends to run (default: every one the engine has)")
-    p.add_argument("--budget-s", type=float, default=330.0, help="sections starting after this many seconds are skipped")
+    p.add_argument("--budget-s", type=float, default=330.0,
+                   help="sections that would start after this many seconds are skipped")
     return p
 
 

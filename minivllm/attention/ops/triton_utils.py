@@ -45,7 +45,7 @@ def check_device(kernel, **tensors: torch.Tensor) -> None:
                              f"{name} is on {t.device}")
         if not interpreted and t.device.type != "cuda":
             raise ValueError(f"{name}: compiled Triton kernels need CUDA tensors, {name} is on {t.device} "
-                             "(set TRITON_INTERPRET=1 before importing minivllm.attention.ops.* to run them on the CPU)")
+                             "(TRITON_INTERPRET=1, set before the process imports triton, runs them on the CPU)")
         if first is None:
             first = (name, t.device)
         elif t.device != first[1]:
