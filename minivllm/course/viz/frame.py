@@ -18,8 +18,8 @@ from __future__ import annotations
 from html import escape
 from typing import Dict, List, Optional
 
-from minivllm.engine.trace import SchedulerTrace, StepRecord
-from minivllm.viz.colors import owner_colors, text_color
+from minivllm.course.trace import SchedulerTrace, StepRecord
+from minivllm.course.viz.colors import owner_colors, text_color
 
 FRAME_CSS = """
 .mv-frame {font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35;
