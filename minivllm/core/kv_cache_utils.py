@@ -7,11 +7,14 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
 
+from minivllm.core.block_hash import BlockHash
+
 if TYPE_CHECKING:
     from minivllm.request import Request
 
-BlockHash = bytes
-"""A block's prefix hash: a 32-byte SHA-256 digest. Stable across processes, so a disk store can use it."""
+__all__ = [
+    "BlockHash", "NONE_HASH", "hash_block_tokens", "get_request_block_hasher", "KVCacheBlock", "FreeKVCacheBlockQueue",
+]
 
 NONE_HASH: BlockHash = hashlib.sha256(b"minivllm:none-hash").digest()
 """The parent hash of a request's first block (vLLM's ``NONE_HASH``)."""
@@ -80,7 +83,6 @@ class KVCacheBlock:
     block_hash: Optional[BlockHash] = None
     prev_free_block: Optional["KVCacheBlock"] = None
     next_free_block: Optional["KVCacheBlock"] = None
-    is_null: bool = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None

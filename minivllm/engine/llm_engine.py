@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence,
 import torch
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.scheduler import Scheduler
@@ -23,6 +23,7 @@ from minivllm.model.llama import LlamaForCausalLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from minivllm.course.trace import RequestSnapshot, StepRecord  # TODO(arch-engine): observer
