@@ -127,6 +127,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back: it will be reused last."""
         last = self._tail.prev_free_block
+        assert last is not None  # the sentinels are always linked
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, self._tail.prev_free_block = self._tail, block
         self.num_free_blocks += 1
@@ -134,13 +135,14 @@ class FreeKVCacheBlockQueue:
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the front: it will be reused first."""
         first = self._head.next_free_block
+        assert first is not None  # the sentinels are always linked
         self._head.next_free_block, block.prev_free_block = block, self._head
         block.next_free_block, first.prev_free_block = first, block
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free_block
-        while b is not self._tail:
+        while b is not None and b is not self._tail:
             yield b
             b = b.next_free_block
 

@@ -166,11 +166,13 @@ class Scheduler:
                         request
                     )
                     if self.connector is not None:
-                        ext = self.connector.get_num_new_matched_tokens(request, num_new_local_computed_tokens)
-                        if ext[0] is None:  # the connector cannot tell yet: ask again next step
+                        ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                            request, num_new_local_computed_tokens
+                        )
+                        if ext_tokens is None:  # the connector cannot tell yet: ask again next step
                             step_skipped_waiting.append(self.waiting.pop_request())
                             continue
-                        num_external_computed_tokens, load_kv_async = ext
+                        num_external_computed_tokens = ext_tokens
                 else:  # its KV was loaded by an async connector load
                     new_computed_blocks, num_new_local_computed_tokens = [], 0
                 num_computed_tokens = (
