@@ -1,6 +1,6 @@
 """One step of a recorded run as self-contained HTML: the frame the queue animator shows.
 
-A frame draws one ``StepRecord`` (see ``minivllm/engine/trace.py``): the waiting queue (front first) and the
+A frame draws one ``StepRecord`` (see ``minivllm/course/trace.py``): the waiting queue (front first) and the
 running queue (admission order), one box per request with its id and token counters; the tokens each scheduled
 request computes in this step, a prefill chunk drawn striped and a decode token drawn solid; how much of the
 token budget (``max_num_batched_tokens``) the step used; the requests admitted, resumed, preempted and finished
