@@ -457,7 +457,6 @@ def _decode_rows(model_rows: List[Dict], hf_rows: List[Dict], config, dtype) -> 
 
 def _ensure_model(ctx: Context) -> None:
     """The SmolLM2-shaped random model pair, when ``equality`` (which builds it) was not run."""
-    import torch
 
     from minivllm.bench import random_models
 
