@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One entry point for the two things a new user does:
 #   ./course.sh lab    install everything into .venv and open the course in JupyterLab
-#   ./course.sh test   install everything into .venv and run the whole test suite (notebooks included)
+#   ./course.sh test   install everything into .venv, run ruff and mypy, then the whole test suite (notebooks included)
 # Other commands: ./course.sh install | bench [args] | figures | gpu-check [args]
 set -euo pipefail
 cd "$(dirname "$0")"
@@ -48,6 +48,9 @@ case "${1:-}" in
     install
     install_browser
     shift
+    echo "==> ruff (unused imports, undefined names) and mypy (core, scheduler, engine): see pyproject.toml"
+    "$VENV/bin/python" -m ruff check
+    "$VENV/bin/python" -m mypy
     exec "$VENV/bin/python" -m pytest tests notebooks --nbval --nbval-current-env \
       --nbval-sanitize-with notebooks/sanitize.cfg "$@"
     ;;
