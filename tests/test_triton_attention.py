@@ -29,7 +29,11 @@ pytest.importorskip("triton", reason="triton is not installed (pip install -r re
 
 from minivllm.attention.ops import triton_reshape_and_cache_flash as rc  # noqa: E402
 from minivllm.attention.ops import triton_unified_attention as ua  # noqa: E402
-from minivllm.attention.ops.triton_utils import is_interpreted, triton_language_interpreted  # noqa: E402
+from minivllm.attention.ops.triton_utils import (  # noqa: E402
+    interpreter_problem,
+    is_interpreted,
+    triton_language_interpreted,
+)
 from minivllm.attention.paged_attention import (  # noqa: E402
     AttentionMetadata,
     reference_paged_attention,
@@ -37,6 +41,8 @@ from minivllm.attention.paged_attention import (  # noqa: E402
 )
 
 INTERPRETED_HERE = triton_language_interpreted() and is_interpreted(ua.kernel_unified_attention)
+if interpreter_problem():
+    pytest.skip(interpreter_problem(), allow_module_level=True)
 
 
 @pytest.fixture(autouse=True)
