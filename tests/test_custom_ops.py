@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from minivllm import LLMEngine, SamplingParams, custom_ops
 from minivllm.attention.paged_attention import AttentionMetadata, reference_paged_attention
-from minivllm.model.llama import RMSNorm, RotaryEmbedding, _rotate
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding, _rotate
 from minivllm.model.loader import build_tiny_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", reason="kernels switched off")
