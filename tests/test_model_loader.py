@@ -1,6 +1,6 @@
 """The model layer's loading paths: load formats, the "tiny" shorthand, RoPE sharing through get_rope, tied heads.
 
-Guards ``minivllm/model/loader/``, ``minivllm/config.py`` (``LoadConfig``, ``create_model_and_load_config``) and
+Guards ``minivllm/model/loader/``, ``minivllm/config.py`` (``LoadConfig``) and
 ``minivllm/model/layers/rotary_embedding.py``. Everything here runs on the tiny architecture or on small
 Hugging Face folders written to ``tmp_path``; nothing reads the 135M model.
 """
@@ -12,11 +12,12 @@ import pytest
 import torch
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.config import LoadConfig, create_model_and_load_config
+from minivllm.config import LoadConfig
 from minivllm.model.config import tiny_llama_config
 from minivllm.model.layers.rotary_embedding import get_rope
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.model.loader import build_tiny_model, get_model, get_model_loader, load_model
+from minivllm.model.loader import (build_tiny_model, create_model_and_load_config, get_model, get_model_loader,
+                                   load_model)
 
 
 def _write_hf_folder(path, model: LlamaForCausalLM, with_weights: bool = True) -> None:

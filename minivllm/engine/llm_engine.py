@@ -13,7 +13,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
-from minivllm.config import CacheConfig, SchedulerConfig, create_model_and_load_config
+from minivllm.config import CacheConfig, SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.core.sched.output import SchedulerOutput
@@ -113,7 +113,7 @@ class LLMEngine:
         record_trace: bool = False,
         record_inputs: bool = False,
     ) -> None:
-        from minivllm.model.loader import get_model
+        from minivllm.model.loader import create_model_and_load_config, get_model
         from minivllm.model.tokenizer import load_tokenizer
 
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
