@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One entry point for the two things a new user does:
 #   ./course.sh lab    install everything into .venv and open the course in JupyterLab
-#   ./course.sh test   install everything into .venv and run the whole test suite (notebooks included)
-# Other commands: ./course.sh install | bench [args] | figures
+#   ./course.sh test   install everything into .venv, run ruff and mypy, then the whole test suite (notebooks included)
+# Other commands: ./course.sh install | bench [args] | figures | gpu-check [args]
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MINIVLLM_VENV:-.venv}
@@ -48,6 +48,9 @@ case "${1:-}" in
     install
     install_browser
     shift
+    echo "==> ruff (unused imports, undefined names) and mypy (core, scheduler, engine): see pyproject.toml"
+    "$VENV/bin/python" -m ruff check
+    "$VENV/bin/python" -m mypy
     exec "$VENV/bin/python" -m pytest tests notebooks --nbval --nbval-current-env \
       --nbval-sanitize-with notebooks/sanitize.cfg "$@"
     ;;
@@ -58,8 +61,16 @@ case "${1:-}" in
   figures)
     exec "$VENV/bin/python" -m minivllm figures
     ;;
+  gpu-check)
+    # Correctness and speed of the CUDA path, results in a JSON file (--out; --dry-run: tiny sizes on the CPU).
+    # A GPU machine may have no .venv: its own Python with torch, triton and transformers is used then.
+    shift
+    py="$VENV/bin/python"
+    [ -x "$py" ] || py="$PY"
+    exec "$py" -m minivllm.bench.gpu_check "$@"
+    ;;
   *)
-    echo "usage: ./course.sh lab | test | install | bench [args] | figures" >&2
+    echo "usage: ./course.sh lab | test | install | bench [args] | figures | gpu-check [args]" >&2
     exit 2
     ;;
 esac

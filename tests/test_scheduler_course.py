@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.utils.math_utils import cdiv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 

@@ -17,7 +17,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.viz import (
+from minivllm.course.viz import (
     DECODE, PREEMPTED, PREFILL, WAITING, QueueAnimator, owner_colors, plot_free_blocks, plot_timeline,
     plot_tokens_per_step, render_frame_html, request_latencies, save_frame_png, timeline_states,
 )

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import itertools
 import numbers
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Union
 
 import torch
 
 from minivllm.config import CacheConfig, SchedulerConfig
-from minivllm.core.kv_cache_manager import KVCacheManager, cdiv
+from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.engine.detokenizer import IncrementalDetokenizer
-from minivllm.engine.trace import RequestSnapshot, SchedulerTrace, StepRecord
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+from minivllm.utils.math_utils import cdiv
+
+if TYPE_CHECKING:
+    from minivllm.course.trace import RequestSnapshot, StepRecord  # TODO(arch-engine): observer
 
 PromptType = Union[str, Sequence[int], Dict[str, Any]]
 
@@ -180,6 +183,8 @@ class LLMEngine:
         self._counter = itertools.count()
         self.record_trace = record_trace or record_inputs
         self.record_inputs = record_inputs
+        from minivllm.course.trace import SchedulerTrace  # TODO(arch-engine): observer
+
         self.trace = SchedulerTrace()
         self._all_requests: Dict[str, Request] = {}
         self.aborted: List[str] = []
@@ -389,6 +394,8 @@ class LLMEngine:
         )
 
     def _record(self, so: SchedulerOutput) -> StepRecord:
+        from minivllm.course.trace import RequestSnapshot, StepRecord  # TODO(arch-engine): observer
+
         sched = self.scheduler
         kv = self.kv_cache_manager
         waiting, running = sched.queue_snapshot()
@@ -447,9 +454,14 @@ class LLMEngine:
                 raise RuntimeError(f"requests still unfinished after {max_steps} steps")
         return final
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash (only while no request holds blocks). Returns success."""
-        return self.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash. Returns success (vLLM ``LLMEngine.reset_prefix_cache``).
+
+        Only while no request holds blocks, unless ``reset_running_requests``: then the running requests are
+        preempted back to the waiting queue first (see ``Scheduler.reset_prefix_cache``, which also lists the
+        ``RuntimeError`` it raises).
+        """
+        return self.scheduler.reset_prefix_cache(reset_running_requests)
 
     @property
     def num_preemptions(self) -> int:

@@ -49,7 +49,8 @@ class SchedulerOutput:
         total_num_scheduled_tokens: their sum, never more than ``max_num_batched_tokens``.
         finished_req_ids: requests that finished or were aborted since the previous step (the runner drops
             their state).
-        preempted_req_ids: requests preempted in this step.
+        preempted_req_ids: requests preempted in this step, and those preempted since the last step by
+            ``reset_prefix_cache(reset_running_requests=True)`` (they may be resumed in this same step).
         kv_connector_metadata: what the KV connector's worker side must do this step (or ``None``).
     """
 
@@ -64,18 +65,3 @@ class SchedulerOutput:
     @property
     def scheduled_req_ids(self) -> List[str]:
         return list(self.num_scheduled_tokens)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the model runner returns (vLLM ``vllm/v1/outputs.py``).
-
-    ``sampled_token_ids[i]`` is ``[token]`` for request ``req_ids[i]``, or ``[]`` when that request's step was a
-    partial prefill: a token *was* sampled from its last position, then discarded.
-    """
-
-    req_ids: List[str]
-    req_id_to_index: Dict[str, int]
-    sampled_token_ids: List[List[int]]
-    finished_recving: Optional[Set[str]] = None
-    finished_sending: Optional[Set[str]] = None

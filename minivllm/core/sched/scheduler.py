@@ -4,67 +4,32 @@ There are no prefill and decode phases. Each step the scheduler hands out one to
 (``max_num_batched_tokens``): first to the running requests in order (each wants
 ``num_tokens - num_computed_tokens`` tokens: a prefill chunk or one decode token), then, only if no running
 request had to be preempted in this step, to waiting requests in queue order.
+
+The one deviation from vLLM 0.32's ``Scheduler.schedule``: in the running loop, when a request cannot get its
+blocks and ends up preempting itself, vLLM stops the loop for both policies (``if new_blocks is None: break``,
+"Cannot schedule this request"), so the running requests behind it get nothing this step. minivllm does the same
+under FCFS (the victim is always the last running request, so nobody is behind it), but under the priority policy
+it goes on (``continue``) with the requests behind it: the self-preempted request was the worst one and has
+just freed all its blocks, so they may well fit, and leaving them idle for a step gains nothing.
+``tests/core/test_scheduler.py::test_priority_self_preemption_continues_with_the_requests_behind`` pins it.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
+from minivllm.core.sched.utils import check_stop
+from minivllm.engine import EngineCoreOutput
+from minivllm.metrics.stats import SchedulerStats
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.base import KVConnectorBase
-
-
-@dataclass
-class EngineCoreOutput:
-    """New tokens of one request after one step (vLLM ``vllm/v1/engine/__init__.py``)."""
-
-    request_id: str
-    new_token_ids: List[int]
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[object] = None
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of a whole run."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    num_generated_tokens: int = 0
-    preempted_per_step: List[int] = field(default_factory=list)
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Finish ``request`` if its last token ends it (vLLM ``vllm/v1/core/sched/utils.py:check_stop``).
-
-    The length check comes first, as in vLLM: an EOS sampled as the last allowed token finishes the request
-    with reason ``"length"``. ``min_tokens`` needs no check here: the sampler never lets EOS or a stop token
-    through before ``min_tokens`` tokens exist. Stop *strings* are checked by the detokenizer.
-    """
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-    ):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    sp = request.sampling_params
-    last = request.output_token_ids[-1]
-    if not sp.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if last in sp.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last
-        return True
-    return False
 
 
 class Scheduler:
@@ -99,6 +64,9 @@ class Scheduler:
         self.requests: Dict[str, Request] = {}
         self.finished_req_ids: Set[str] = set()
         self.finished_recving_kv_req_ids: Set[str] = set()
+        # Preempted between steps by reset_prefix_cache(reset_running_requests=True); sent with the next step's
+        # SchedulerOutput.preempted_req_ids (vLLM keeps every preemption in a set of this name).
+        self.reset_preempted_req_ids: Set[str] = set()
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -136,17 +104,19 @@ class Scheduler:
         running_scheduled: List[Request] = []
         new_block_ids: Dict[str, List[int]] = {}
         preempted_reqs: List[Request] = []
-        threshold = cfg.long_prefill_token_threshold
+        long_prefill_token_threshold = cfg.long_prefill_token_threshold
         if len(self.running) + len(self.waiting) <= 1:
-            threshold = 0  # vLLM 0.33: the per-request cap is pointless when only one request is eligible
+            # As in vLLM 0.32 (scheduler.py): the cap exists so that a long prefill does not starve other requests;
+            # with a single eligible request there is nobody to starve, so it may use the whole budget.
+            long_prefill_token_threshold = 0
 
         # 1. running requests ----------------------------------------------------------------------------
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             n = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
+            if 0 < long_prefill_token_threshold < n:
+                n = long_prefill_token_threshold
             # No position may reach max_model_len. vLLM caps at max_model_len - 1 - computed to leave room for
             # speculative tokens; minivllm has none, and that extra -1 would starve the last chunk of a prompt
             # of exactly max_model_len tokens forever (n == 0 every step).
@@ -173,7 +143,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 if self.policy == "priority":
-                    continue  # self-preempted; requests behind it may still fit
+                    # Deviation from vLLM 0.32, which breaks here for both policies (see the module docstring):
+                    # the request preempted itself and freed its blocks; the requests behind it may still fit.
+                    continue
                 break
             running_scheduled.append(request)
             num_scheduled_tokens[request.request_id] = n
@@ -182,57 +154,63 @@ class Scheduler:
             i += 1
 
         # 2. waiting requests: only in a step that preempted nobody ----------------------------------------
-        skipped: List[Request] = []
+        step_skipped_waiting: List[Request] = []
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek_request()
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if not self._update_waiting_for_remote_kv(request):
-                        skipped.append(self.waiting.pop_request())
+                        step_skipped_waiting.append(self.waiting.pop_request())
                         continue
-                num_external, load_async = 0, False
-                queried = request.num_computed_tokens == 0
-                if queried:
-                    hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                num_external_computed_tokens, load_kv_async = 0, False
+                did_prefix_cache_lookup = request.num_computed_tokens == 0
+                if did_prefix_cache_lookup:
+                    new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                        request
+                    )
                     if self.connector is not None:
-                        ext = self.connector.get_num_new_matched_tokens(request, num_local)
-                        if ext[0] is None:  # the connector cannot tell yet: ask again next step
-                            skipped.append(self.waiting.pop_request())
+                        ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                            request, num_new_local_computed_tokens
+                        )
+                        if ext_tokens is None:  # the connector cannot tell yet: ask again next step
+                            step_skipped_waiting.append(self.waiting.pop_request())
                             continue
-                        num_external, load_async = ext
+                        num_external_computed_tokens = ext_tokens
                 else:  # its KV was loaded by an async connector load
-                    hit_blocks, num_local = [], 0
-                num_computed = request.num_computed_tokens + num_local + num_external
-                n = 0 if load_async else request.num_tokens - num_computed
-                if 0 < threshold < n:
-                    n = threshold
-                if not cfg.enable_chunked_prefill and n > token_budget:
+                    new_computed_blocks, num_new_local_computed_tokens = [], 0
+                num_computed_tokens = (
+                    request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+                )
+                num_new_tokens = 0 if load_kv_async else request.num_tokens - num_computed_tokens
+                if 0 < long_prefill_token_threshold < num_new_tokens:
+                    num_new_tokens = long_prefill_token_threshold
+                if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
                     break  # strict FCFS: nothing overtakes a prompt that does not fit this step
-                n = min(n, token_budget)
+                num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
-                    n,
-                    num_new_computed_tokens=num_local + num_external,
-                    new_computed_blocks=hit_blocks,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens + num_external_computed_tokens,
+                    new_computed_blocks=new_computed_blocks,
                     full_sequence_must_fit=True,
-                    delay_cache_blocks=load_async,
+                    delay_cache_blocks=load_kv_async,
                 )
                 if new_blocks is None:
                     if not self.running and not num_scheduled_tokens:
                         self._release_blocks_of_waiting_requests(keep=request)
                     break  # waiting requests never preempt; the queue head waits for blocks
                 if request.num_computed_tokens == 0:
-                    self.kv_cache_manager.record_prefix_cache_query(request, num_local)
+                    self.kv_cache_manager.record_prefix_cache_query(request, num_new_local_computed_tokens)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external
+                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external_computed_tokens
                     )
                 self.waiting.pop_request()
-                if load_async:
+                if load_kv_async:
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    request.num_computed_tokens = num_computed
-                    request.num_external_computed_tokens = num_external
-                    skipped.append(request)
+                    request.num_computed_tokens = num_computed_tokens
+                    request.num_external_computed_tokens = num_external_computed_tokens
+                    step_skipped_waiting.append(request)
                     continue
                 self.running.append(request)
                 if request.status == RequestStatus.PREEMPTED:
@@ -241,16 +219,16 @@ class Scheduler:
                     new_reqs.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.num_cached_tokens < 0:
-                    # num_computed, not num_local + num_external: after an async load both are 0 here
-                    request.num_cached_tokens = num_computed
-                request.num_computed_tokens = num_computed
-                if queried:  # not on the second visit after an async load, which asks nothing
-                    request.num_external_computed_tokens = num_external
-                num_scheduled_tokens[request.request_id] = n
+                    # num_computed_tokens, not local + external: after an async load both are 0 here
+                    request.num_cached_tokens = num_computed_tokens
+                request.num_computed_tokens = num_computed_tokens
+                if did_prefix_cache_lookup:  # not on the second visit after an async load, which asks nothing
+                    request.num_external_computed_tokens = num_external_computed_tokens
+                num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
-                token_budget -= n
-        if skipped:
-            self.waiting.prepend_requests(skipped)
+                token_budget -= num_new_tokens
+        if step_skipped_waiting:
+            self.waiting.prepend_requests(step_skipped_waiting)
 
         total = sum(num_scheduled_tokens.values())
         assert total <= cfg.max_num_batched_tokens, (total, cfg.max_num_batched_tokens)
@@ -281,7 +259,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
+            preempted_req_ids={r.request_id for r in preempted_reqs} | self.reset_preempted_req_ids,
         )
         if self.connector is not None:
             # Once per schedule() call, even when nothing was scheduled (vLLM scheduler.py, build_connector_meta).
@@ -290,7 +268,6 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(preempted_reqs)
         self.stats.num_scheduled_tokens += total
-        self.stats.preempted_per_step.append(len(preempted_reqs))
         return output
 
     def _pick_victim(self) -> Request:
@@ -308,17 +285,15 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.is_prefill_chunk = False
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now, so the next schedule() could already give the next chunk (vLLM does the same).
         for req_id, n in output.num_scheduled_tokens.items():
-            r = self.requests[req_id]
-            r.num_computed_tokens += n
-            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
+            self.requests[req_id].num_computed_tokens += n
         self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
 
     def _release_blocks_of_waiting_requests(self, keep: Request) -> None:
         """Deadlock guard for async connector loads: free the blocks that waiting requests hold.
@@ -360,7 +335,13 @@ class Scheduler:
 
         A request whose step was a partial prefill got ``[]``: nothing is appended, nothing is emitted, and
         ``num_computed_tokens`` (already advanced at schedule time) stays as it is.
+
+        The connector's transfer reports are checked first (see ``_check_kv_xfer_reports``).
+
+        Raises:
+            RuntimeError: a transfer report that vLLM would assert on; raised before any state changes.
         """
+        self._check_kv_xfer_reports(model_runner_output)
         outputs: List[EngineCoreOutput] = []
         stopped: List[Request] = []
         sampled = model_runner_output.sampled_token_ids
@@ -374,7 +355,6 @@ class Scheduler:
             for tok in new_ids:
                 request.append_output_token_ids([tok])
                 kept.append(tok)
-                self.stats.num_generated_tokens += 1
                 if check_stop(request, self.max_model_len):
                     done = True
                     break
@@ -386,9 +366,38 @@ class Scheduler:
         if stopped:
             ids = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in ids]
-        if model_runner_output.finished_recving:
-            self.finished_recving_kv_req_ids |= set(model_runner_output.finished_recving)
+        for req_id in model_runner_output.finished_recving or ():
+            if req_id in self.requests:  # checked above: it is WAITING_FOR_REMOTE_KVS
+                self.finished_recving_kv_req_ids.add(req_id)
         return outputs
+
+    def _check_kv_xfer_reports(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Reject transfer reports for live requests that are not waiting for them (vLLM 0.32
+        ``Scheduler._update_from_kv_xfer_finished``, which asserts on them).
+
+        * ``finished_recving``: vLLM records the id for a request in ``WAITING_FOR_REMOTE_KVS`` and frees the
+          blocks a *finished* request kept for the transfer. minivllm frees a request's blocks when it finishes
+          (``request_finished`` must be done with them; minivllm has no delayed free), so an id it no longer
+          knows has nothing left to free and its report is dropped. Keeping it would make a later load of a
+          request with that id look finished before it is.
+        * ``finished_sending``: vLLM frees the blocks of a finished request; the same holds as above.
+        * Any other state (``WAITING``, ``RUNNING``, ``PREEMPTED``): vLLM asserts; minivllm raises here, before the
+          step's tokens are appended, so the scheduler is left exactly as it was.
+        (vLLM's third report path, blocks that failed to load, has no counterpart in minivllm.)
+        """
+        for kind in ("finished_recving", "finished_sending"):
+            for req_id in sorted(getattr(model_runner_output, kind) or ()):
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                if kind == "finished_recving" and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue
+                expected = "WAITING_FOR_REMOTE_KVS or finished" if kind == "finished_recving" else "finished"
+                raise RuntimeError(
+                    f"{type(self.connector).__name__}.get_finished reported {kind} for request {req_id!r}, which is "
+                    f"{request.status.name} (expected {expected}); vLLM asserts on this report "
+                    "(scheduler.py, _update_from_kv_xfer_finished). The step's outputs were not applied."
+                )
 
     def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> List[Request]:
         """Finish requests from outside the step (abort, stop string). Unknown or finished ids are ignored.
@@ -417,9 +426,38 @@ class Scheduler:
         self.finished_recving_kv_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all prefix-cache hashes; only possible while no request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget all prefix-cache hashes (vLLM ``Scheduler.reset_prefix_cache``, v0.32.0). Returns success.
+
+        Without ``reset_running_requests`` it only succeeds while no request holds blocks (else ``False``, nothing
+        changed). With it, every running request is first preempted back to the waiting queue, as vLLM does: taken
+        from the end of ``running`` and put at the front of ``waiting``, so they come back in their running
+        order, ahead of the requests that were already waiting. Each counts as a preemption (its
+        ``num_preemptions`` and ``stats.num_preemptions``) and is listed in the next step's
+        ``SchedulerOutput.preempted_req_ids``; it resumes by recomputing its whole sequence, so greedy (or
+        seeded) outputs do not change.
+
+        Raises:
+            RuntimeError: with ``reset_running_requests``, if a waiting request holds blocks (an asynchronous
+                connector load): the reset could not succeed. vLLM raises too, after preempting; minivllm raises
+                before changing anything.
+        """
+        if reset_running_requests:
+            holders = [r for r in self.waiting if self.kv_cache_manager.get_blocks(r.request_id)]
+            if holders:
+                raise RuntimeError(
+                    "reset_prefix_cache(reset_running_requests=True): waiting requests hold KV blocks for an "
+                    f"asynchronous connector load ({', '.join(f'{r.request_id!r} {r.status.name}' for r in holders)}); "
+                    "preempting the running requests would not free them. Nothing was changed."
+                )
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+                self.reset_preempted_req_ids.add(request.request_id)
+                self.stats.num_preemptions += 1
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        assert ok or not reset_running_requests, "every block should be free after preempting all requests"
+        return ok
 
     def queue_snapshot(self) -> Tuple[List[str], List[str]]:
         """``(waiting ids in queue order, running ids in order)``."""

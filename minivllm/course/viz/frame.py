@@ -1,6 +1,6 @@
 """One step of a recorded run as self-contained HTML: the frame the queue animator shows.
 
-A frame draws one ``StepRecord`` (see ``minivllm/engine/trace.py``): the waiting queue (front first) and the
+A frame draws one ``StepRecord`` (see ``minivllm/course/trace.py``): the waiting queue (front first) and the
 running queue (admission order), one box per request with its id and token counters; the tokens each scheduled
 request computes in this step, a prefill chunk drawn striped and a decode token drawn solid; how much of the
 token budget (``max_num_batched_tokens``) the step used; the requests admitted, resumed, preempted and finished
@@ -18,8 +18,8 @@ from __future__ import annotations
 from html import escape
 from typing import Dict, List, Optional
 
-from minivllm.engine.trace import SchedulerTrace, StepRecord
-from minivllm.viz.colors import owner_colors, text_color
+from minivllm.course.trace import SchedulerTrace, StepRecord
+from minivllm.course.viz.colors import owner_colors, text_color
 
 FRAME_CSS = """
 .mv-frame {font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35;

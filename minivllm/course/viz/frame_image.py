@@ -12,8 +12,8 @@ from typing import Dict, Optional
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
 
 _W = 12.0  # drawing width in data units
 _BOX_W, _BOX_H, _GAP = 1.85, 1.05, 0.12

@@ -13,9 +13,9 @@ from typing import Dict, Optional
 import ipywidgets as widgets
 from ipywidgets.widgets.widget_string import HTMLStyle
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.colors import owner_colors
-from minivllm.viz.frame import FRAME_CSS, render_frame_html
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.colors import owner_colors
+from minivllm.course.viz.frame import FRAME_CSS, render_frame_html
 
 
 class QueueAnimator:
