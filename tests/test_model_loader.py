@@ -121,3 +121,17 @@ def test_dummy_format_with_a_path_reads_only_the_architecture(tmp_path):
         assert torch.equal(p, ref), name  # the same seed and draw order as build_tiny_model of that config
     with pytest.raises(ValueError, match="does not match"):
         create_model_and_load_config(str(tmp_path), load_format="gguf")
+
+
+def test_hf_config_reads_the_rope_base_of_transformers_4_and_5(tmp_path):
+    from minivllm.model.config import get_config
+
+    cfg = {k: v for k, v in dataclasses.asdict(tiny_llama_config()).items() if k not in ("name", "rope_theta")}
+    cfg["model_type"] = "llama"
+    cfg["rope_parameters"] = {"rope_type": "default", "rope_theta": 123456.0}  # transformers 5
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert get_config(str(tmp_path)).rope_theta == 123456.0
+    cfg["rope_theta"] = 5000.0  # transformers 4's top-level key
+    del cfg["rope_parameters"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert get_config(str(tmp_path)).rope_theta == 5000.0

@@ -174,7 +174,8 @@ def config_from_hf_folder(path: str) -> LlamaConfig:
         num_key_value_heads=hf.get("num_key_value_heads", hf["num_attention_heads"]),
         head_dim=hf.get("head_dim"),
         rms_norm_eps=hf.get("rms_norm_eps", 1e-5),
-        rope_theta=hf.get("rope_theta", 10000.0),
+        # transformers 5 writes the RoPE base inside rope_parameters, transformers 4 at the top level.
+        rope_theta=hf.get("rope_theta", (hf.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
         max_position_embeddings=hf.get("max_position_embeddings", 2048),
         tie_word_embeddings=hf.get("tie_word_embeddings", False),
         bos_token_id=hf.get("bos_token_id"),
