@@ -9,18 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Type
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minivllm.attention.paged_attention import (
-    AttentionMetadata,
-    paged_attention,
-    reference_paged_attention,
-    write_kv_cache,
-)
+from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+from minivllm.attention.backends.torch_sdpa import TorchSDPABackend
 from minivllm import custom_ops
 from minivllm.model.packed_linear import Linear, PackedWeight
 
@@ -150,7 +146,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache."""
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -160,8 +156,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
         self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.backend = backend
+        self.set_attention_backend(backend)
         self.rotary_emb: Optional[RotaryEmbedding] = None  # shared, set by LlamaModel
+
+    def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
+        """Attend through ``backend``'s implementation (vLLM builds ``Attention.impl`` from the selected backend)."""
+        self.impl = backend.get_impl_cls()(self.num_heads, self.head_dim, self.scale, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
         t = x.shape[0]
@@ -170,11 +170,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        if self.backend == "reference":
-            o = reference_paged_attention(q, kv_cache, md, self.scale)
-        else:
-            o = paged_attention(q, k, v, kv_cache, md, self.scale)
+        o = self.impl.forward(q, k, v, kv_cache, md)  # writes k, v into kv_cache first
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -204,7 +200,7 @@ class LlamaDecoderLayer(nn.Module):
     kernel do the add and the norm. Pass ``residual=None`` for the first layer (``hidden`` is then the input).
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, backend)
@@ -222,7 +218,7 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
@@ -240,9 +236,10 @@ class LlamaForCausalLM(nn.Module):
     the single biggest matmul of a step.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = backend
         self.model = LlamaModel(config, backend)
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -251,12 +248,12 @@ class LlamaForCausalLM(nn.Module):
         self.layer_hooks: List = []  # callables (layer_idx, kv_cache) run after each layer (KV connector saves)
         self._packed_lm_head = PackedWeight()  # the tied LM head is the embedding: packed apart from it
 
-    def set_attention_backend(self, backend: str) -> None:
-        """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing)."""
-        if backend not in ("sdpa", "reference"):
-            raise ValueError(f"attention backend must be 'sdpa' or 'reference', got {backend!r}")
+    def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
+        """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it
+        chose: ``minivllm.attention.selector``). ``md`` in ``forward`` must then be that backend's metadata."""
+        self.attn_backend = backend
         for layer in self.model.layers:
-            layer.self_attn.backend = backend
+            layer.self_attn.set_attention_backend(backend)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor], md: AttentionMetadata
