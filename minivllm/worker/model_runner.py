@@ -1,9 +1,11 @@
 """Runs one scheduler step on the model (vLLM: ``vllm/v1/worker/gpu_model_runner.py``).
 
-Per step: update the per-request state from the ``SchedulerOutput``, build one flattened batch
-(``input_ids``, ``positions``, ``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``block_table``,
-``logits_indices``), run the model, compute logits only at ``logits_indices`` (the last scheduled token of each
-request), sample, and return one token per request, or ``[]`` for a request whose step was a partial prefill.
+Per step: update the per-request state and the ``InputBatch``'s block table from the ``SchedulerOutput``
+(``_update_states``), build one flattened batch and its ``CommonAttentionMetadata`` (``input_ids``,
+``positions``, ``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``block_table``; ``_prepare_inputs``), let
+the attention backend's builder turn it into the backend's metadata, run the model, compute logits only at
+``logits_indices`` (the last scheduled token of each request), sample, and return one token per request, or
+``[]`` for a request whose step was a partial prefill.
 """
 
 from __future__ import annotations
