@@ -22,9 +22,10 @@ from typing import List, Type
 import torch
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CommonAttentionMetadata:
     """One step's batch as every backend sees it, built by the model runner (vLLM ``CommonAttentionMetadata``).
+    Frozen, and compared by identity (``eq=False``): tensors have no single truth value.
 
     ``R`` = requests this step, ``T`` = tokens this step. Tensors are int64 on the runner's device; ``*_cpu``
     fields are the same numbers as Python lists, for per-request loops without a device synchronisation.
@@ -60,7 +61,7 @@ class CommonAttentionMetadata:
         return [q[i + 1] - q[i] for i in range(self.num_reqs)]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class AttentionMetadata:
     """What every backend's metadata holds (vLLM: the common part of ``FlashAttentionMetadata``).
 
@@ -83,7 +84,7 @@ class AttentionMetadata:
 
     @property
     def num_reqs(self) -> int:
-        return len(self.seq_lens_cpu)
+        return len(self.query_start_loc_cpu) - 1
 
     @property
     def query_lens_cpu(self) -> List[int]:

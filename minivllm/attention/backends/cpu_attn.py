@@ -32,7 +32,7 @@ def prefill_kernel_supported(head_dim: int) -> bool:
     return head_dim in (64, 128) and custom_ops.prefill_kernel_available()
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class CPUAttentionMetadata(AttentionMetadata):
     """Attributes (``D`` decode requests, ``P`` prefill requests):
     decode_token_idx: ``int64 [D]`` row of each decode request's query token.

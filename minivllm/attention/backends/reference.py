@@ -22,7 +22,7 @@ from minivllm.attention.backend import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class ReferenceAttentionMetadata(AttentionMetadata):
     """Nothing beyond ``AttentionMetadata``: the reference loops over requests with the ``*_cpu`` lists."""
 

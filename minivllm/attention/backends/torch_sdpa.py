@@ -28,7 +28,7 @@ from minivllm.attention.backend import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class DecodeGroup:
     """Decode requests attended together, keys padded to the group's longest request.
 
@@ -45,7 +45,7 @@ class DecodeGroup:
     kv_rows: torch.Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class TorchSDPAMetadata(AttentionMetadata):
     """Attributes:
     decode_reqs / prefill_reqs: indices of the requests with one / more than one query token.
