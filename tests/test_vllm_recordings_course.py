@@ -81,3 +81,35 @@ def test_format_rows():
     text = vr.format_rows(rows[:2], ("scheduled", "new", "free_blocks"))
     assert text.splitlines() == ["step  scheduled  new  free_blocks", "0     A:64       A    14",
                                  "1     A:64       -    12"]
+
+
+def test_readme_links_the_recorded_lines():
+    # The README's permalinks for the code the recordings quote point at the quoted lines of v0.32.0.
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quotes = vr.recordings()["source"]
+    for key in ("admission_gate", "v2_resumed_as_new", "async_placeholder_check"):
+        assert vr.permalink(quotes[key]["file"], quotes[key]["line"]) in readme, key
+
+
+VLLM_SRC = "/work/vllm-src"
+
+
+@pytest.mark.skipif(not __import__("os").path.isdir(VLLM_SRC + "/vllm"), reason="vLLM 0.32.0's source not unpacked")
+def test_every_course_permalink_points_at_a_line_of_v0_32():
+    # Every v0.32.0 permalink in the README and the notebooks names a file and a line that exist in vLLM 0.32.0.
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    texts = [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]
+    found = 0
+    for t in texts:
+        for path, line in re.findall(r"vllm-project/vllm/blob/v0\.32\.0/([\w/.]+?)(?:#L(\d+))?[)\"\s]", t.read_text()):
+            f = Path(VLLM_SRC) / path
+            assert f.is_file(), (t.name, path)
+            if line:
+                assert int(line) <= len(f.read_text().splitlines()), (t.name, path, line)
+            found += 1
+    assert found >= 20
