@@ -24,17 +24,21 @@ def _prompt(eng):
 
 
 def _stream(eng, params):
-    """Step one request to the end; returns every ``RequestOutput`` it produced, in order."""
+    """Step one request to the end; returns every ``RequestOutput`` it produced, in order, each with
+    ``(text, number of token ids, new_text, finished)`` taken when it was returned (cumulative outputs share one
+    growing token list, so the count must be read at once)."""
     rid = eng.add_request(None, _prompt(eng), params)
     outs = []
     while eng.has_unfinished_requests():
         outs += [o for o in eng.step() if o.request_id == rid]
+        if outs:
+            o = outs[-1]
+            o.snapshot = (o.outputs[0].text, len(o.outputs[0].token_ids), o.new_text, o.finished)
     return outs
 
 
 def _snapshot(outs):
-    """``(text, len(token_ids))`` of each output as it was when returned (outputs may share one growing list)."""
-    return [(o.outputs[0].text, len(o.outputs[0].token_ids), o.new_text, o.finished) for o in outs]
+    return [o.snapshot for o in outs]
 
 
 def greedy(**kw):

@@ -123,8 +123,8 @@ class LLM:
                 bar.set_postfix_str(f"output {n_out / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
         finally:
             bar.close()
-        for rid in pending:  # aborted from elsewhere while we ran
-            final[rid] = eng._make_output(eng.get_request(rid), [], "")
+        if pending:  # aborted from elsewhere (another thread) while we ran: its final output went to that caller
+            raise RuntimeError(f"requests {sorted(pending)} were aborted while generate() ran")
         return [final[i] for i in ids]
 
     def reset_prefix_cache(self) -> bool:
