@@ -165,6 +165,6 @@ class EngineArgs:
         else:
             model = load_model(self.model, dtype=dtype, device=device)
             if tokenizer is None:
-                tokenizer = load_tokenizer(model.model_path)
+                tokenizer = load_tokenizer(str(model.model_path))
         model.set_attention_backend(self.attention_backend)
         return model, tokenizer

@@ -60,11 +60,13 @@ class EngineCore:
         from minivllm.worker.model_runner import ModelRunner
 
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        num_gpu_blocks = cache.num_gpu_blocks
+        assert num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
         self.vllm_config = vllm_config
-        self.kv_cache_manager = KVCacheManager(cache.num_gpu_blocks, cache.block_size, sched.max_model_len,
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_cache_manager, vllm_config.kv_connector)
-        self.model_executor = ModelRunner(vllm_config.model, cache.num_gpu_blocks, cache.block_size,
+        self.model_executor = ModelRunner(vllm_config.model, num_gpu_blocks, cache.block_size,
                                           vllm_config.device, vllm_config.seed, vllm_config.kv_connector)
         self.step_observers: List[StepObserver] = []
 

@@ -34,18 +34,19 @@ class InputProcessor:
         self.vocab_size: int = vllm_config.model_config.vocab_size
         self.max_model_len = vllm_config.scheduler_config.max_model_len
         cache = vllm_config.cache_config
+        assert cache.num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
         self.block_size, self.num_gpu_blocks = cache.block_size, cache.num_gpu_blocks
         caching_or_connector = cache.enable_prefix_caching or vllm_config.kv_connector is not None
         self._block_hasher: Optional[Callable] = get_request_block_hasher(self.block_size) if caching_or_connector else None
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.eos_token_id: Optional[int] = tok_eos if tok_eos is not None else vllm_config.model_config.eos_token_id
 
-    def tokenize(self, prompt: PromptType) -> Tuple[Optional[str], List[int]]:
-        """``(prompt text or None, token ids)``; raises ``ValueError`` for anything that is not a prompt."""
+    def tokenize(self, prompt: Any) -> Tuple[Optional[str], List[int]]:
+        """``(prompt text or None, token ids)`` of a ``PromptType``; raises ``ValueError`` for anything else."""
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return self.tokenize(list(prompt["prompt_token_ids"]))
-            prompt = prompt.get("prompt")
+            return self.tokenize(prompt.get("prompt"))
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("prompt: this model has no tokenizer; pass token ids ({'prompt_token_ids': [...]})")

@@ -125,6 +125,7 @@ class OutputProcessor:
         outputs = []
         for rid in request_ids:
             state = self.request_states.pop(rid, None)
-            if state is not None:
-                outputs.append(state.make_request_output([], "abort", None))
+            out = None if state is None else state.make_request_output([], "abort", None)
+            if out is not None:  # always, for a live request: a finished one gets its output in every kind
+                outputs.append(out)
         return outputs
