@@ -2,7 +2,7 @@
 # One entry point for the two things a new user does:
 #   ./course.sh lab    install everything into .venv and open the course in JupyterLab
 #   ./course.sh test   install everything into .venv and run the whole test suite (notebooks included)
-# Other commands: ./course.sh install | bench [args] | figures
+# Other commands: ./course.sh install | bench [args] | figures | gpu-check [args]
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MINIVLLM_VENV:-.venv}
@@ -58,8 +58,16 @@ case "${1:-}" in
   figures)
     exec "$VENV/bin/python" -m minivllm figures
     ;;
+  gpu-check)
+    # Correctness and speed of the CUDA path, results in a JSON file (--out; --dry-run: tiny sizes on the CPU).
+    # A GPU machine may have no .venv: its own Python with torch, triton and transformers is used then.
+    shift
+    py="$VENV/bin/python"
+    [ -x "$py" ] || py="$PY"
+    exec "$py" -m minivllm.bench.gpu_check "$@"
+    ;;
   *)
-    echo "usage: ./course.sh lab | test | install | bench [args] | figures" >&2
+    echo "usage: ./course.sh lab | test | install | bench [args] | figures | gpu-check [args]" >&2
     exit 2
     ;;
 esac

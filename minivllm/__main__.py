@@ -77,7 +77,7 @@ def cmd_chat(a) -> int:
     history: List[dict] = []
     if a.system:
         history.append({"role": "system", "content": a.system})
-    turns = [a.message] if a.message else None
+    turns = list(a.message) if a.message else None  # --message is repeatable: one user turn each
     while True:
         if turns is not None:
             if not turns:

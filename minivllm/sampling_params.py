@@ -31,13 +31,15 @@ class SamplingParams:
         temperature: Softmax temperature. ``0`` means greedy (argmax). Must be ``>= 0``.
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to at least ``top_p``.
             Must be in ``(0, 1]``; ``1`` disables it.
-        top_k: Keep the ``top_k`` most likely tokens. ``0`` or ``-1`` disables it (vLLM accepts both);
-            otherwise it must be ``>= 1``.
+        top_k: Keep exactly the ``top_k`` most likely tokens (ties with the k-th broken by lowest token id, so
+            ``top_k=1`` is greedy, as in vLLM's Triton kernel; vLLM's PyTorch fallback, on its CPU build, keeps
+            every tie). ``0`` or ``-1`` disables it (vLLM accepts both); otherwise it must be ``>= 1``.
         min_p: Drop tokens whose probability is below ``min_p`` times the top token's. In ``[0, 1]``.
         seed: Seed of this request's own ``torch.Generator``. With a seed the sampled text does not depend on
             the batch it runs in, on chunked prefill or on preemption.
         max_tokens: Maximum number of generated tokens (``>= 1``). ``None`` means "up to ``max_model_len``".
-        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated.
+        min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated (EOS also
+            with ``ignore_eos``, as in vLLM).
         stop: Stop strings. Generation stops when the detokenized output contains one; the text is cut before
             it unless ``include_stop_str_in_output``.
         stop_token_ids: Extra token ids that end generation (the token is kept in ``token_ids``).

@@ -376,11 +376,11 @@ def test_eos_stops_with_reason_stop(free_run):
     assert (out.finish_reason, out.stop_reason) == ("stop", None)
 
 
-def test_eos_at_the_last_allowed_token_is_length(free_run):
-    # check_stop tests the length first: EOS sampled as token max_tokens ends the request with "length".
+def test_eos_at_the_last_allowed_token_is_stop(free_run):
+    # vLLM 0.32's check_stop tests EOS before the length: EOS sampled as token max_tokens ends it with "stop".
     eng = eos_engine(free_run[2])
     out = one(eng, greedy(3)).outputs[0]
-    assert out.token_ids == free_run[:3] and out.finish_reason == "length"
+    assert out.token_ids == free_run[:3] and (out.finish_reason, out.stop_reason) == ("stop", None)
 
 
 def test_ignore_eos(free_run):
@@ -409,9 +409,9 @@ def test_min_tokens_suppresses_stop_token_ids(free_run):
     assert out.token_ids == free_run[:2] and (out.finish_reason, out.stop_reason) == ("stop", stop)
     out = one(eng, greedy(8, stop_token_ids=[stop], min_tokens=3)).outputs[0]
     assert stop not in out.token_ids[:3] and out.token_ids[0] == free_run[0]
-    # a stop token as the last allowed token: length first, no stop_reason
+    # a stop token as the last allowed token: stop tokens are tested before the length (vLLM 0.32)
     out = one(eng, greedy(2, stop_token_ids=[stop])).outputs[0]
-    assert out.token_ids == free_run[:2] and (out.finish_reason, out.stop_reason) == ("length", None)
+    assert out.token_ids == free_run[:2] and (out.finish_reason, out.stop_reason) == ("stop", stop)
 
 
 @pytest.mark.parametrize("length", [1, 3, 4, 5, 8, 12, 16])

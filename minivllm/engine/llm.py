@@ -127,5 +127,6 @@ class LLM:
             raise RuntimeError(f"requests {sorted(pending)} were aborted while generate() ran")
         return [final[i] for i in ids]
 
-    def reset_prefix_cache(self) -> bool:
-        return self.llm_engine.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """``LLMEngine.reset_prefix_cache`` (vLLM ``LLM.reset_prefix_cache``)."""
+        return self.llm_engine.reset_prefix_cache(reset_running_requests)

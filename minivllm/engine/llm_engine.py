@@ -173,9 +173,14 @@ class LLMEngine:
                 raise RuntimeError(f"requests still unfinished after {max_steps} steps")
         return final
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget every cached block hash (only while no request holds blocks). Returns success."""
-        return self.engine_core.scheduler.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget every cached block hash. Returns success (vLLM ``LLMEngine.reset_prefix_cache``).
+
+        Only while no request holds blocks, unless ``reset_running_requests``: then the running requests are
+        preempted back to the waiting queue first (see ``Scheduler.reset_prefix_cache``, which also lists the
+        ``RuntimeError`` it raises).
+        """
+        return self.engine_core.scheduler.reset_prefix_cache(reset_running_requests)
 
     @property
     def num_preemptions(self) -> int:

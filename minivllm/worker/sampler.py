@@ -1,7 +1,8 @@
 """Turn each request's logits row into one token (vLLM: ``vllm/v1/sample/sampler.py``).
 
 Order of operations, as in vLLM: ``min_tokens`` masking (EOS and stop tokens get ``-inf`` until enough tokens
-exist), then greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p, and draw with the
+exist; EOS also with ``ignore_eos``, because vLLM's ``MinTokensLogitsProcessor`` bans every id of
+``SamplingParams.all_stop_token_ids``, which holds EOS either way), then greedy rows take the argmax; random rows apply temperature, top-k, top-p and min-p, and draw with the
 exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw from ``p``. A request with a
 ``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
 the batch.
@@ -37,12 +38,29 @@ class SamplingMetadata:
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
-    """Mask one row ``[vocab]`` of temperature-scaled float32 logits with ``-inf`` outside the kept set."""
+    """Mask one row ``[vocab]`` of temperature-scaled float32 logits with ``-inf`` outside the kept set.
+
+    * top-k keeps exactly ``top_k`` tokens: of the tokens tied with the k-th largest logit, the lowest token ids,
+      so that ``top_k=1`` is the greedy argmax (which also takes the first of tied maxima). This is what vLLM's
+      Triton top-k/top-p kernel does (``vllm/v1/sample/ops/topk_topp_triton.py``, the GPU default), and what
+      vLLM issue #5404 asked for. vLLM's PyTorch fallback (``apply_top_k_only`` in
+      ``vllm/v1/sample/ops/topk_topp_sampler.py``, what its CPU build runs) differs: it keeps every token tied
+      with the k-th, so there ``top_k=1`` can sample a token other than the argmax.
+    * top-p keeps the smallest prefix of the tokens sorted by logit, ties in token-id order, whose probability
+      reaches ``top_p`` (the top token always stays).
+    * min-p drops tokens whose probability is below ``min_p`` times the top one (ties with the top all stay).
+
+    Returns a new tensor (``logits`` is not modified).
+    """
     if top_k > 0 and top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k).values[-1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        keep = logits > kth
+        # torch.topk does not say which of the tied tokens it picks: take the lowest ids, as many as needed.
+        ties = (logits == kth).nonzero().flatten()[: top_k - int(keep.sum())]
+        keep[ties] = True
+        logits = logits.masked_fill(~keep, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, idx = torch.sort(logits, descending=True)
+        sorted_logits, idx = torch.sort(logits, descending=True, stable=True)  # ties: lower token id first
         probs = sorted_logits.softmax(-1)
         # Drop a token when the mass *before* it already reaches top_p (the top token always stays).
         drop = (probs.cumsum(-1) - probs) >= top_p
@@ -69,7 +87,7 @@ class Sampler:
             row = logits[i]
             if md.num_output_tokens[i] < sp.min_tokens:
                 banned = list(sp.stop_token_ids)
-                if md.eos_token_ids[i] is not None and not sp.ignore_eos:
+                if md.eos_token_ids[i] is not None:  # also with ignore_eos, as vLLM's all_stop_token_ids
                     banned.append(md.eos_token_ids[i])
                 if banned:
                     row = row.clone()

@@ -49,7 +49,8 @@ class SchedulerOutput:
         total_num_scheduled_tokens: their sum, never more than ``max_num_batched_tokens``.
         finished_req_ids: requests that finished or were aborted since the previous step (the runner drops
             their state).
-        preempted_req_ids: requests preempted in this step.
+        preempted_req_ids: requests preempted in this step, and those preempted since the last step by
+            ``reset_prefix_cache(reset_running_requests=True)`` (they may be resumed in this same step).
         kv_connector_metadata: what the KV connector's worker side must do this step (or ``None``).
     """
 

@@ -40,21 +40,20 @@ class SchedulerStats:
     num_preemptions: int = 0
     num_scheduled_tokens: int = 0
     num_generated_tokens: int = 0
-    preempted_per_step: List[int] = field(default_factory=list)
+    preempted_per_step: List[int] = field(default_factory=list)  # by schedule(); not reset_prefix_cache's
 
 
 def check_stop(request: Request, max_model_len: int) -> bool:
-    """Finish ``request`` if its last token ends it (vLLM ``vllm/v1/core/sched/utils.py:check_stop``).
+    """Finish ``request`` if its last token ends it (vLLM ``vllm/v1/core/sched/utils.py:check_stop``, v0.32.0).
 
-    The length check comes first, as in vLLM: an EOS sampled as the last allowed token finishes the request
-    with reason ``"length"``. ``min_tokens`` needs no check here: the sampler never lets EOS or a stop token
-    through before ``min_tokens`` tokens exist. Stop *strings* are checked by the detokenizer.
+    The order is vLLM 0.32's: EOS first (``stop_reason`` stays ``None``; skipped with ``ignore_eos``), then
+    ``stop_token_ids`` (``stop_reason`` is the token), then the length (``max_model_len`` or ``max_tokens``). So a
+    token that is both the last one allowed and EOS or a stop token finishes the request with reason ``"stop"``,
+    and its text is left out of the output like any stop token's. (Early V1 releases tested the length first.)
+    ``min_tokens`` needs no check here: the sampler never lets EOS or a stop token through before ``min_tokens``
+    tokens exist (in vLLM the ``min_tokens`` test after the length only gates repetition detection, which
+    minivllm does not have). Stop *strings* are checked by the detokenizer.
     """
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-    ):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
     sp = request.sampling_params
     last = request.output_token_ids[-1]
     if not sp.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
@@ -63,6 +62,11 @@ def check_stop(request: Request, max_model_len: int) -> bool:
     if last in sp.stop_token_ids:
         request.status = RequestStatus.FINISHED_STOPPED
         request.stop_reason = last
+        return True
+    if request.num_tokens >= max_model_len or (
+        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
+    ):
+        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
         return True
     return False
 
@@ -99,6 +103,9 @@ class Scheduler:
         self.requests: Dict[str, Request] = {}
         self.finished_req_ids: Set[str] = set()
         self.finished_recving_kv_req_ids: Set[str] = set()
+        # Preempted between steps by reset_prefix_cache(reset_running_requests=True); sent with the next step's
+        # SchedulerOutput.preempted_req_ids (vLLM keeps every preemption in a set of this name).
+        self.reset_preempted_req_ids: Set[str] = set()
         self.stats = SchedulerStats()
 
     # ---------------------------------------------------------------------------------------------------------
@@ -281,7 +288,7 @@ class Scheduler:
             num_scheduled_tokens=num_scheduled_tokens,
             total_num_scheduled_tokens=total,
             finished_req_ids=self.finished_req_ids,
-            preempted_req_ids={r.request_id for r in preempted_reqs},
+            preempted_req_ids={r.request_id for r in preempted_reqs} | self.reset_preempted_req_ids,
         )
         if self.connector is not None:
             # Once per schedule() call, even when nothing was scheduled (vLLM scheduler.py, build_connector_meta).
@@ -319,6 +326,7 @@ class Scheduler:
             r.num_computed_tokens += n
             r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
         self.finished_req_ids = set()
+        self.reset_preempted_req_ids = set()
 
     def _release_blocks_of_waiting_requests(self, keep: Request) -> None:
         """Deadlock guard for async connector loads: free the blocks that waiting requests hold.
@@ -360,7 +368,13 @@ class Scheduler:
 
         A request whose step was a partial prefill got ``[]``: nothing is appended, nothing is emitted, and
         ``num_computed_tokens`` (already advanced at schedule time) stays as it is.
+
+        The connector's transfer reports are checked first (see ``_check_kv_xfer_reports``).
+
+        Raises:
+            RuntimeError: a transfer report that vLLM would assert on; raised before any state changes.
         """
+        self._check_kv_xfer_reports(model_runner_output)
         outputs: List[EngineCoreOutput] = []
         stopped: List[Request] = []
         sampled = model_runner_output.sampled_token_ids
@@ -386,9 +400,38 @@ class Scheduler:
         if stopped:
             ids = {id(r) for r in stopped}
             self.running = [r for r in self.running if id(r) not in ids]
-        if model_runner_output.finished_recving:
-            self.finished_recving_kv_req_ids |= set(model_runner_output.finished_recving)
+        for req_id in model_runner_output.finished_recving or ():
+            if req_id in self.requests:  # checked above: it is WAITING_FOR_REMOTE_KVS
+                self.finished_recving_kv_req_ids.add(req_id)
         return outputs
+
+    def _check_kv_xfer_reports(self, model_runner_output: ModelRunnerOutput) -> None:
+        """Reject transfer reports for live requests that are not waiting for them (vLLM 0.32
+        ``Scheduler._update_from_kv_xfer_finished``, which asserts on them).
+
+        * ``finished_recving``: vLLM records the id for a request in ``WAITING_FOR_REMOTE_KVS`` and frees the
+          blocks a *finished* request kept for the transfer. minivllm frees a request's blocks when it finishes
+          (``request_finished`` must be done with them; minivllm has no delayed free), so an id it no longer
+          knows has nothing left to free and its report is dropped. Keeping it would make a later load of a
+          request with that id look finished before it is.
+        * ``finished_sending``: vLLM frees the blocks of a finished request; the same holds as above.
+        * Any other state (``WAITING``, ``RUNNING``, ``PREEMPTED``): vLLM asserts; minivllm raises here, before the
+          step's tokens are appended, so the scheduler is left exactly as it was.
+        (vLLM's third report path, blocks that failed to load, has no counterpart in minivllm.)
+        """
+        for kind in ("finished_recving", "finished_sending"):
+            for req_id in sorted(getattr(model_runner_output, kind) or ()):
+                request = self.requests.get(req_id)
+                if request is None:
+                    continue
+                if kind == "finished_recving" and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                    continue
+                expected = "WAITING_FOR_REMOTE_KVS or finished" if kind == "finished_recving" else "finished"
+                raise RuntimeError(
+                    f"{type(self.connector).__name__}.get_finished reported {kind} for request {req_id!r}, which is "
+                    f"{request.status.name} (expected {expected}); vLLM asserts on this report "
+                    "(scheduler.py, _update_from_kv_xfer_finished). The step's outputs were not applied."
+                )
 
     def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> List[Request]:
         """Finish requests from outside the step (abort, stop string). Unknown or finished ids are ignored.
@@ -417,9 +460,38 @@ class Scheduler:
         self.finished_recving_kv_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
 
-    def reset_prefix_cache(self) -> bool:
-        """Forget all prefix-cache hashes; only possible while no request holds blocks."""
-        return self.kv_cache_manager.reset_prefix_cache()
+    def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
+        """Forget all prefix-cache hashes (vLLM ``Scheduler.reset_prefix_cache``, v0.32.0). Returns success.
+
+        Without ``reset_running_requests`` it only succeeds while no request holds blocks (else ``False``, nothing
+        changed). With it, every running request is first preempted back to the waiting queue, as vLLM does: taken
+        from the end of ``running`` and put at the front of ``waiting``, so they come back in their running
+        order, ahead of the requests that were already waiting. Each counts as a preemption (its
+        ``num_preemptions`` and ``stats.num_preemptions``) and is listed in the next step's
+        ``SchedulerOutput.preempted_req_ids``; it resumes by recomputing its whole sequence, so greedy (or
+        seeded) outputs do not change.
+
+        Raises:
+            RuntimeError: with ``reset_running_requests``, if a waiting request holds blocks (an asynchronous
+                connector load): the reset could not succeed. vLLM raises too, after preempting; minivllm raises
+                before changing anything.
+        """
+        if reset_running_requests:
+            holders = [r for r in self.waiting if self.kv_cache_manager.get_blocks(r.request_id)]
+            if holders:
+                raise RuntimeError(
+                    "reset_prefix_cache(reset_running_requests=True): waiting requests hold KV blocks for an "
+                    f"asynchronous connector load ({', '.join(f'{r.request_id!r} {r.status.name}' for r in holders)}); "
+                    "preempting the running requests would not free them. Nothing was changed."
+                )
+            while self.running:
+                request = self.running.pop()
+                self._preempt_request(request)
+                self.reset_preempted_req_ids.add(request.request_id)
+                self.stats.num_preemptions += 1
+        ok = self.kv_cache_manager.reset_prefix_cache()
+        assert ok or not reset_running_requests, "every block should be free after preempting all requests"
+        return ok
 
     def queue_snapshot(self) -> Tuple[List[str], List[str]]:
         """``(waiting ids in queue order, running ids in order)``."""

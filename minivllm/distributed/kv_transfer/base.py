@@ -58,7 +58,13 @@ class KVConnectorBase(ABC):
         """Once per ``schedule()``: package this step's loads and saves and *reset the per-step state*."""
 
     def request_finished(self, request: "Request", block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
-        """A request finished; its blocks are freed right after. Returns ``(delay_free, params)``."""
+        """A request finished; its blocks are freed right after. Returns ``(delay_free, params)``.
+
+        minivllm frees the blocks right after this call whatever ``delay_free`` says (vLLM would keep them until
+        ``get_finished`` reports the transfer in ``finished_sending`` or ``finished_recving``): a connector must
+        finish or cancel any transfer into or out of them before it returns. A later report for this request is
+        then dropped by the scheduler; a report for a live request that is not waiting for one raises there.
+        """
         return False, None
 
     # ---- worker side ----------------------------------------------------------------------------------------
@@ -84,5 +90,10 @@ class KVConnectorBase(ABC):
         """Block until every save of this step is done (the blocks may be reused next step)."""
 
     def get_finished(self, finished_req_ids: Set[str]) -> Tuple[Optional[Set[str]], Optional[Set[str]]]:
-        """``(finished_sending, finished_recving)`` request ids since the last call (async transfers)."""
+        """``(finished_sending, finished_recving)`` request ids since the last call (async transfers).
+
+        ``finished_recving`` may name only requests in ``WAITING_FOR_REMOTE_KVS`` (or already finished ones);
+        ``finished_sending`` only finished ones. Anything else makes ``Scheduler.update_from_output`` raise a
+        ``RuntimeError`` (vLLM asserts), see ``Scheduler._check_kv_xfer_reports``.
+        """
         return None, None

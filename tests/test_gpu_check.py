@@ -1,0 +1,52 @@
+"""The prepared GPU check (``python -m minivllm.bench.gpu_check``) keeps working: its CPU dry run, tiny sizes.
+
+It runs in a child process, as on the GPU machine: the dry run sets ``TRITON_INTERPRET=1`` before anything
+imports triton, which must happen first in a process (``minivllm/attention/ops/triton_utils.py``).
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from minivllm.bench import gpu_check
+from minivllm.bench.random_models import SMOLLM2_135M, num_params
+
+
+def test_dry_run_writes_passing_results(tmp_path):
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), HF_HUB_OFFLINE="1",
+               TRANSFORMERS_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "-m", "minivllm.bench.gpu_check", "--dry-run", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["errors"] == {} and r["skipped"] == {} and r["correctness_passed"] is True
+    assert r["gguf_imported"] is False  # the GPU machine has no gguf package
+    assert r["env"]["device"] == "cpu" and "sdpa" in r["env"]["attention_backends"]
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        pass
+    else:
+        assert r["kernels"]["interpreted"] and all(c["passed"] for c in r["kernels"]["attention"])
+        assert {c["dtype"] for c in r["kernels"]["attention"]} == {"float32", "float16"}
+        assert any(c["segments"] > 1 for c in r["kernels"]["attention"])  # the split-context path ran
+    scen = {(s["backend"], s["scenario"]): s for s in r["equality"]["scenarios"]}
+    assert scen[("sdpa", "preemption")]["num_preemptions"] > 0
+    assert all(s["equal"] for s in scen.values())
+    tp = r["throughput"]
+    assert tp["runs"][0]["output_tokens"] == tp["workload"]["output_tokens"]
+    assert tp["transformers"][0]["output_tokens"] == tp["workload"]["output_tokens"]
+    assert set(r["section_seconds"]) == {name for name, _ in gpu_check.SECTIONS}
+
+
+def test_smollm2_shape_has_135m_parameters():
+    assert num_params(SMOLLM2_135M) == pytest.approx(134.5e6, rel=0.01)
+
+
+def test_unknown_section_is_refused():
+    with pytest.raises(SystemExit, match="unknown"):
+        gpu_check.main(["--dry-run", "--sections", "env,nope", "--out", os.devnull])

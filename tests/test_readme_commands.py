@@ -1,0 +1,134 @@
+"""Every command line and Python snippet that README.md documents runs as written and prints what it promises.
+
+The commands are read from README.md itself (the ``.venv/bin/python -m minivllm ...`` lines of the ``bash`` blocks
+and the ``python`` blocks of "Using the package"), so a README change cannot slip past untested: a documented
+command this file does not know how to check fails ``test_every_readme_command_is_checked``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+TIMEOUT_S = 300  # the real model loads in a few seconds; a generous bound for a busy 2-core machine
+
+
+def _blocks(lang: str):
+    return re.findall(rf"```{lang}\n(.*?)```", README, flags=re.S)
+
+
+def _cli_lines():
+    """``(argv after 'python -m minivllm', comment)`` of every README line that runs the package's command line."""
+    out = []
+    for block in _blocks("bash"):
+        for line in block.splitlines():
+            m = re.match(r"\s*\.venv/bin/python -m minivllm (.*)$", line)
+            if m is None:
+                continue
+            cmd, _, comment = m.group(1).partition("#")
+            out.append((shlex.split(cmd), comment.strip()))
+    return out
+
+
+def _run(argv, extra_env=None, stdin=None):
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
+               OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env.update(extra_env or {})
+    r = subprocess.run([sys.executable, *argv], cwd=ROOT, env=env, input=stdin, capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert r.returncode == 0, f"{argv} exited with {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}"
+    return r.stdout
+
+
+# ---- the command lines ---------------------------------------------------------------------------------------
+def _check_generate(args, comment):
+    # As written, with a shorter output so the test stays quick.
+    out = _run(["-m", "minivllm", *args[:-1], "8"] if args[-2:-1] == ["--max-tokens"] else ["-m", "minivllm", *args])
+    prompt = args[1]
+    assert f"--- {prompt!r}" in out
+    assert "Paris" in out  # greedy SmolLM2: "The capital of France is Paris..."
+    assert re.search(r"\[minivllm\] 1 request\(s\), \d+ steps, \d+ prompt \+ \d+ output tokens", out)
+
+
+def _check_chat(args, comment):
+    # The comment promises two modes: interactive (stdin) and one turn with --message "...".
+    assert '--message "..."' in comment, comment
+    q = "What is the capital of France?"
+    out = _run(["-m", "minivllm", *args, "--message", q, "--max-tokens", "12"])
+    replies = [line for line in out.splitlines() if line.startswith("assistant> ")]
+    assert len(replies) == 1 and "Paris" in replies[0], out
+    # Interactive: one line from stdin, then end of input.
+    out = _run(["-m", "minivllm", *args, "--max-tokens", "12"], stdin=q + "\n")
+    replies = [line for line in out.splitlines() if "assistant> " in line]
+    assert len(replies) == 1 and "Paris" in replies[0], out
+
+
+def _check_bench(args, comment):
+    assert args == ["bench", "--help"], args  # the README only shows --help: a real run takes minutes
+    out = _run(["-m", "minivllm", *args])
+    assert "usage:" in out and "--vllm-python" in out and "--json" in out
+
+
+def _check_figures(args, comment):
+    # A real run regenerates every figure from engine runs (minutes); --list names them without running any.
+    assert args == ["figures"], args
+    out = _run(["-m", "minivllm", *args, "--list"])
+    names = [line.split(":")[0] for line in out.splitlines() if line.strip()]  # "name.png: what it shows"
+    assert names and all(n.endswith(".png") for n in names), out
+    missing = [n for n in names if not (ROOT / "images" / n).is_file()]
+    assert not missing, f"figures listed but not in images/: {missing}"
+
+
+CHECKS = {"generate": _check_generate, "chat": _check_chat, "bench": _check_bench, "figures": _check_figures}
+
+
+def test_every_readme_command_is_checked():
+    lines = _cli_lines()
+    assert {args[0] for args, _ in lines} == set(CHECKS), lines
+    assert len(_blocks("python")) == 2
+
+
+@pytest.mark.parametrize("args,comment", _cli_lines(), ids=lambda x: x[0] if isinstance(x, list) else "")
+def test_readme_command_line(args, comment):
+    CHECKS[args[0]](args, comment)
+
+
+# ---- the Python snippets -------------------------------------------------------------------------------------
+def _snippet(i: int) -> str:
+    return _blocks("python")[i]
+
+
+def test_readme_snippet_llm():
+    code = _snippet(0)
+    # The snippet promises this answer in its comment.
+    assert "# The capital of France is Paris." in code
+    code += "\nassert len(outs) == 2 and all(o.finished and o.outputs[0].token_ids for o in outs)\nprint('OK')\n"
+    out = _run(["-c", code])
+    lines = out.splitlines()
+    assert lines[0] == "The capital of France is Paris.", out
+    assert lines[-1] == "OK"
+
+
+def test_readme_snippet_engine():
+    code = _snippet(1)
+    assert "max_tokens=40" in code
+    code = code.replace("max_tokens=40", "max_tokens=12")  # shorter, same loop
+    out = _run(["-c", code])
+    deltas = re.findall(r"^a ('.*'|\".*\")$", out, flags=re.M)
+    # One streamed delta per generated token: the prompt is one chunk, then 12 decode steps (no EOS this early;
+    # an instruction like "Tell me a story." as a raw prompt got EOS at once and streamed a single '').
+    assert len(deltas) == 12, out
+    assert sum(len(ast.literal_eval(d)) for d in deltas) > 12, out  # words, not empty strings
+    table = out.split("\n", len(deltas))[-1]
+    assert "waiting" in table and "free blocks" in table, out  # the trace's DataFrame (pandas may elide columns)
+    steps = re.findall(r"^(\d+) ", table, flags=re.M)
+    assert steps == [str(i) for i in range(12)], out  # one row per step; the prompt's step gives the first token
