@@ -14,6 +14,7 @@ import torch
 
 import minivllm.attention.paged_attention as paged_attention
 from minivllm import LLMEngine, SamplingParams
+from minivllm.engine.trace import TracedLLMEngine
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.distributed.kv_transfer import BuggyOffloadConnector, KVBlockStore, OffloadConnector, RecordingConnector
 from minivllm.worker.model_runner import CachedRequestState
@@ -27,7 +28,7 @@ def greedy(n):
 
 def tiny(**kw):
     kw.setdefault("enable_prefix_caching", False)
-    return LLMEngine("tiny", record_trace=True, **kw)
+    return TracedLLMEngine("tiny", **kw)
 
 
 def run_counting_peeks(engine, before_step=None):
@@ -309,7 +310,7 @@ def test_q5_admission_gate_needs_the_whole_prompt_free_then_allocates_per_chunk(
 
 # ---- Q6-Q9 (tiny model, 160-token prompt, budget 64) ------------------------------------------------------------
 def run_prompt(budget, params, after_step=None, keep_hidden=False, **kw):
-    eng = LLMEngine("tiny", max_num_batched_tokens=budget, num_gpu_blocks=32, record_inputs=True, **kw)
+    eng = TracedLLMEngine("tiny", max_num_batched_tokens=budget, num_gpu_blocks=32, record_inputs=True, **kw)
     eng.model_runner.keep_logits = True
     eng.model_runner.keep_hidden_states = keep_hidden
     eng.add_request("q", LONG_PROMPT, params)

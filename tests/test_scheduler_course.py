@@ -9,7 +9,8 @@ here).
 import pytest
 import torch
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
+from minivllm.engine.trace import TracedLLMEngine
 from minivllm.core.kv_cache_manager import cdiv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
@@ -27,13 +28,13 @@ def _one_thread():
 def engine05(budget, **kw):
     """Notebook 05's engine settings: block size 16, 64 blocks, no prefix caching, batch inputs recorded."""
     kw.setdefault("num_gpu_blocks", 64)
-    return LLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_inputs=True, **kw)
+    return TracedLLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_inputs=True, **kw)
 
 
 def engine06(num_gpu_blocks, policy="fcfs", prefix_caching=False):
     """Notebook 06's engine settings: block size 4, a small pool."""
-    return LLMEngine("tiny", block_size=4, num_gpu_blocks=num_gpu_blocks, scheduling_policy=policy,
-                     enable_prefix_caching=prefix_caching, record_trace=True)
+    return TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=num_gpu_blocks, scheduling_policy=policy,
+                     enable_prefix_caching=prefix_caching)
 
 
 def prompt(i, length):
@@ -174,7 +175,7 @@ def test_long_prefill_mixed_with_decodes():
 ])
 def test_running_decodes_take_the_budget_first(prompt_len, budget, num_decoding, expected):
     """Notebook 05's exercise (predict_chunks) and its checker: the same cases, the same bounded loop."""
-    eng = LLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_trace=True)
+    eng = TracedLLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False)
     for i in range(num_decoding):
         eng.add_request(f"d{i}", [7 + i], SamplingParams(temperature=0, max_tokens=1000))
     eng.step()

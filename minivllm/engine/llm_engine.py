@@ -42,7 +42,6 @@ class LLMEngine:
     """
 
     def __init__(self, model=None, **engine_kwargs) -> None:
-        record_trace, record_inputs = engine_kwargs.pop("record_trace", False), engine_kwargs.pop("record_inputs", False)
         config = EngineArgs(model, **engine_kwargs).create_engine_config()
         self.vllm_config = config
         self.model_config, self.cache_config, self.scheduler_config = (
@@ -57,14 +56,6 @@ class LLMEngine:
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         self.model_runner = self.engine_core.model_executor
         self._counter = itertools.count()
-
-        self.record_trace = record_trace or record_inputs
-        if self.record_trace:
-            from minivllm.engine.trace import SchedulerTrace
-            from minivllm.engine.trace_observer import TraceRecorder
-
-            self.trace = SchedulerTrace()
-            self.add_step_observer(TraceRecorder(self.trace, record_inputs))
 
     # ---- requests -------------------------------------------------------------------------------------------
     @property

@@ -8,9 +8,9 @@ from minivllm.exercises._harness import call, checker, fail
 
 
 def _engine(max_num_seqs: int):
-    from minivllm import LLMEngine
+    from minivllm.engine.trace import TracedLLMEngine
 
-    return LLMEngine("tiny", record_trace=True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+    return TracedLLMEngine("tiny", max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                      num_gpu_blocks=64, enable_prefix_caching=False)
 
 
