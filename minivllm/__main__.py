@@ -4,7 +4,7 @@
   tokens, tokens/s and preemptions.
 * ``chat``: an interactive chat with the chat template (``--message`` for a single turn without a terminal).
 * ``bench``: the benchmark (``minivllm.bench``).
-* ``figures``: regenerate the course figures in ``images/`` from real engine runs (``minivllm.figures``).
+* ``figures``: regenerate the course figures in ``images/`` from real engine runs (``minivllm.course.figures``).
 """
 
 from __future__ import annotations
@@ -118,7 +118,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return bench_main(argv[1:])
     if argv[:1] == ["figures"]:
-        from minivllm.figures import main as figures_main
+        from minivllm.course.figures import main as figures_main
 
         return figures_main(argv[1:])
     a = parser.parse_args(argv)

@@ -1,9 +1,10 @@
-"""What ``LLM.generate`` returns (vLLM: ``vllm/outputs.py``)."""
+"""What ``LLM.generate`` returns (vLLM: ``vllm/outputs.py``) and what the model runner returns each step
+(``ModelRunnerOutput``, at the end; vLLM: ``vllm/v1/outputs.py``; minivllm has no ``v1/`` level, so both live here)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Set
 
 
 @dataclass
@@ -53,3 +54,18 @@ class RequestOutput:
     num_preemptions: int = 0
     new_token_ids: List[int] = field(default_factory=list)
     new_text: str = ""
+
+
+@dataclass
+class ModelRunnerOutput:
+    """What the model runner returns (vLLM ``vllm/v1/outputs.py``).
+
+    ``sampled_token_ids[i]`` is ``[token]`` for request ``req_ids[i]``, or ``[]`` when that request's step was a
+    partial prefill: a token *was* sampled from its last position, then discarded.
+    """
+
+    req_ids: List[str]
+    req_id_to_index: Dict[str, int]
+    sampled_token_ids: List[List[int]]
+    finished_recving: Optional[Set[str]] = None
+    finished_sending: Optional[Set[str]] = None

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 from minivllm.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from minivllm.core.kv_cache_utils import BlockHash
+    from minivllm.core.block_hash import BlockHash
 
 
 class RequestStatus(enum.IntEnum):
@@ -53,7 +53,6 @@ class Request:
         num_cached_tokens: prompt tokens served by the prefix cache at first admission (-1 before it).
         num_preemptions: how many times this request was preempted.
         block_hashes: hashes of this request's full blocks, extended as tokens arrive (prefix caching).
-        is_prefill_chunk: True after a step that scheduled only part of the known tokens.
     """
 
     def __init__(
@@ -87,7 +86,6 @@ class Request:
         self.num_cached_tokens = -1
         self.num_external_computed_tokens = 0
         self.num_preemptions = 0
-        self.is_prefill_chunk = False
 
         self.block_hashes: List["BlockHash"] = []
         self._block_hasher = block_hasher

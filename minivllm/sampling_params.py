@@ -63,8 +63,10 @@ class SamplingParams:
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
-    stop: Optional[Union[str, Sequence[str]]] = None
-    stop_token_ids: Optional[Sequence[int]] = None
+    # Empty by default; None is accepted too (vLLM's default) and becomes an empty list in __post_init__, so the
+    # declared types are what every reader after construction sees.
+    stop: Union[str, Sequence[str]] = ()
+    stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True

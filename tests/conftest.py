@@ -42,7 +42,7 @@ def make_tiny_engine(traced=False, **kw):
     ``traced=True`` (or ``record_inputs=True``) gives the course's ``TracedLLMEngine``, which records ``.trace``.
     """
     from minivllm import LLMEngine
-    from minivllm.engine.trace import TracedLLMEngine
+    from minivllm.course.trace import TracedLLMEngine
 
     kw.setdefault("enable_prefix_caching", False)
     return (TracedLLMEngine if traced or kw.get("record_inputs") else LLMEngine)("tiny", **kw)

@@ -37,7 +37,7 @@ pytestmark = [
 
 NOTEBOOK_CELLS = [
     "import os\nos.environ.setdefault('HF_HUB_OFFLINE', '1')\n"
-    "from minivllm.figures import preemption_run\nfrom minivllm.viz import QueueAnimator\n"
+    "from minivllm.course.figures import preemption_run\nfrom minivllm.course.viz import QueueAnimator\n"
     "trace = preemption_run().trace",
     "animator = QueueAnimator(trace, interval_ms=150)\nanimator",
 ]
@@ -149,7 +149,7 @@ def _eval(page, js: str, timeout_s: float):
 
 def test_animator_plays_in_jupyterlab(lab, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
-    from minivllm.figures import preemption_run
+    from minivllm.course.figures import preemption_run
 
     trace = preemption_run().trace
     shots = Path(os.environ.get("MINIVLLM_SCREENSHOT_DIR") or tmp_path / "screenshots")
@@ -245,7 +245,7 @@ def test_exported_html_animates_without_a_kernel(tmp_path):
     from nbconvert import HTMLExporter
     from nbconvert.preprocessors import ExecutePreprocessor
 
-    from minivllm.figures import preemption_run
+    from minivllm.course.figures import preemption_run
 
     js = _npm_pack(tmp_path / "npm")
     _write_notebook(tmp_path / "animator.ipynb")

@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import minivllm.exercises as ex
+import minivllm.course.exercises as ex
 from minivllm.attention.paged_attention import gather_kv as ref_gather_kv
-from minivllm.exercises import ExerciseFailed
-from minivllm.exercises._harness import compare_tensors
-from minivllm.exercises._reference import layer_from_parts, run_reference_layer
+from minivllm.course.exercises import ExerciseFailed
+from minivllm.course.exercises._harness import compare_tensors
+from minivllm.course.exercises._reference import layer_from_parts, run_reference_layer
 from minivllm.model.loader import build_tiny_model
 
 

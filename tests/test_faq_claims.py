@@ -14,9 +14,11 @@ import torch
 
 import minivllm.attention.paged_attention as paged_attention
 from minivllm import LLMEngine, SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.core.sched.scheduler import Scheduler
-from minivllm.distributed.kv_transfer import BuggyOffloadConnector, KVBlockStore, OffloadConnector, RecordingConnector
+from minivllm.course.buggy_connector import BuggyOffloadConnector
+from minivllm.course.recording_connector import RecordingConnector
+from minivllm.distributed.kv_transfer import KVBlockStore, OffloadConnector
 from minivllm.worker.model_runner import CachedRequestState
 
 LONG_PROMPT = list(range(100, 260))  # 160 tokens

@@ -8,7 +8,7 @@ matplotlib.use("Agg")
 
 import pytest
 
-from minivllm import figures
+from minivllm.course import figures
 
 
 def test_registry_lists_the_course_figures(capsys):

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
-from minivllm.distributed.kv_transfer import (
-    BuggyOffloadConnector, KVBlockStore, OffloadConnector, RecordingConnector, connector_rows,
-)
+from minivllm.course.trace import TracedLLMEngine
+from minivllm.course.buggy_connector import BuggyOffloadConnector
+from minivllm.course.recording_connector import RecordingConnector, connector_rows
+from minivllm.distributed.kv_transfer import KVBlockStore, OffloadConnector
 
 GREEDY16 = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
 GREEDY10 = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)

@@ -12,7 +12,6 @@ its state, before any scheduler state changes.
 import pytest
 
 from minivllm import LLMEngine, SamplingParams
-from minivllm.core.sched.output import ModelRunnerOutput
 from minivllm.distributed.kv_transfer import KVConnectorBase, KVConnectorMetadata, OffloadConnector
 from minivllm.request import RequestStatus
 
@@ -52,7 +51,7 @@ def _state(engine):
     s, kv = engine.scheduler, engine.kv_cache_manager
     return (s.queue_snapshot(), sorted(s.requests), set(s.finished_recving_kv_req_ids), set(s.finished_req_ids),
             {rid: (r.status, list(r.output_token_ids), r.num_computed_tokens) for rid, r in s.requests.items()},
-            {rid: kv.get_block_ids(rid) for rid in s.requests}, kv.num_free_blocks, s.stats.num_generated_tokens)
+            {rid: kv.get_block_ids(rid) for rid in s.requests}, kv.num_free_blocks, s.stats.num_scheduled_tokens)
 
 
 @pytest.mark.parametrize("kind", ["recving", "sending"])

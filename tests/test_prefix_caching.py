@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from kv_invariants import StepChecker, check_pool, one_torch_thread
 from minivllm import LLMEngine, SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import NONE_HASH, get_request_block_hasher, hash_block_tokens
 from minivllm.request import Request

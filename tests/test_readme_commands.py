@@ -91,10 +91,20 @@ def _check_figures(args, comment):
 CHECKS = {"generate": _check_generate, "chat": _check_chat, "bench": _check_bench, "figures": _check_figures}
 
 
+# Not run here: ``./course.sh lab`` (installs, then opens JupyterLab) and ``./course.sh test`` (installs, then runs
+# the whole suite, which includes this file); test_browser.py opens the course in JupyterLab.
+NOT_RUN = {"./course.sh lab", "./course.sh test"}
+
+
 def test_every_readme_command_is_checked():
     lines = _cli_lines()
     assert {args[0] for args, _ in lines} == set(CHECKS), lines
     assert len(_blocks("python")) == 2
+    # Every command line of every bash block is either checked above or deliberately not run.
+    for block in _blocks("bash"):
+        for line in block.splitlines():
+            cmd = line.split("#")[0].strip()
+            assert not cmd or cmd.startswith(".venv/bin/python -m minivllm ") or cmd in NOT_RUN, line
 
 
 @pytest.mark.parametrize("args,comment", _cli_lines(), ids=lambda x: x[0] if isinstance(x, list) else "")

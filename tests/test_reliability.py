@@ -6,7 +6,7 @@ import pytest
 
 from kv_invariants import StepChecker, check_pool, one_torch_thread
 from minivllm import LLMEngine, SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.model.loader import build_tiny_model, tiny_llama_config
 
 VOCAB = 512

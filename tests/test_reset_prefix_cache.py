@@ -5,7 +5,7 @@ order and ahead of the requests already waiting, then the prefix cache is reset.
 import pytest
 
 from minivllm import LLM, SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.distributed.kv_transfer import OffloadConnector
 from minivllm.request import RequestStatus
 

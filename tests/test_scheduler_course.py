@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from minivllm import SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.course.trace import TracedLLMEngine
+from minivllm.utils.math_utils import cdiv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 

@@ -9,7 +9,7 @@ both the last one ``max_tokens`` allows and EOS or a stop token finishes the req
 import pytest
 
 from minivllm import SamplingParams
-from minivllm.core.sched.scheduler import check_stop
+from minivllm.core.sched.utils import check_stop
 from minivllm.request import Request, RequestStatus
 from tests.conftest import make_tiny_engine
 

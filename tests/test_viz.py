@@ -17,8 +17,8 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from minivllm import SamplingParams
-from minivllm.engine.trace import TracedLLMEngine
-from minivllm.viz import (
+from minivllm.course.trace import TracedLLMEngine
+from minivllm.course.viz import (
     DECODE, PREEMPTED, PREFILL, WAITING, QueueAnimator, owner_colors, plot_free_blocks, plot_timeline,
     plot_tokens_per_step, render_frame_html, request_latencies, save_frame_png, timeline_states,
 )

@@ -73,7 +73,6 @@ def _check(a) -> List[str]:
 
 def _load(a):
     """(model, tokenizer) in the requested dtype and device; the tokenizer is None for the tiny model."""
-    import torch
 
     from minivllm.engine.arg_utils import resolve_device, resolve_dtype
     from minivllm.model.loader import build_tiny_model, load_model

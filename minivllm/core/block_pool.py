@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 class BlockPool:
     """Owns every ``KVCacheBlock``, the free queue and the ``block_hash -> block`` map.
 
-    Free order (vLLM 0.33 ``BlockPool.free_blocks``): the manager frees a request's blocks tail first; a block
+    Free order (vLLM 0.32 ``BlockPool.free_blocks``): the manager frees a request's blocks tail first; a block
     whose ``ref_cnt`` drops to 0 goes to the *front* of the free queue if it carries no hash (nothing to keep, so
     reuse it first) and to the *back* if it is hashed (keep it findable as long as possible: LRU eviction).
     Because the tail is freed first, a request's last hashed block is evicted before its first one, which is

@@ -2,35 +2,15 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import KVCacheBlock
+from minivllm.metrics.stats import PrefixCacheStats
+from minivllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
     from minivllm.request import Request
-
-
-def cdiv(a: int, b: int) -> int:
-    """Ceiling division: blocks needed for ``a`` tokens at ``b`` tokens per block."""
-    return -(-a // b)
-
-
-@dataclass
-class PrefixCacheStats:
-    """Prefix-cache counters, in tokens (vLLM ``PrefixCacheStats``). Counted once per admission."""
-
-    requests: int = 0
-    queries: int = 0
-    hits: int = 0
-    preempted_requests: int = 0
-    preempted_queries: int = 0
-    preempted_hits: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class KVCacheManager:

@@ -7,11 +7,14 @@ from array import array
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, List, Optional, Sequence
 
+from minivllm.core.block_hash import BlockHash
+
 if TYPE_CHECKING:
     from minivllm.request import Request
 
-BlockHash = bytes
-"""A block's prefix hash: a 32-byte SHA-256 digest. Stable across processes, so a disk store can use it."""
+__all__ = [
+    "BlockHash", "NONE_HASH", "hash_block_tokens", "get_request_block_hasher", "KVCacheBlock", "FreeKVCacheBlockQueue",
+]
 
 NONE_HASH: BlockHash = hashlib.sha256(b"minivllm:none-hash").digest()
 """The parent hash of a request's first block (vLLM's ``NONE_HASH``)."""
@@ -80,7 +83,6 @@ class KVCacheBlock:
     block_hash: Optional[BlockHash] = None
     prev_free_block: Optional["KVCacheBlock"] = None
     next_free_block: Optional["KVCacheBlock"] = None
-    is_null: bool = False
 
     def __repr__(self) -> str:
         h = self.block_hash.hex()[:8] if self.block_hash else None
@@ -125,6 +127,7 @@ class FreeKVCacheBlockQueue:
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the back: it will be reused last."""
         last = self._tail.prev_free_block
+        assert last is not None  # the sentinels are always linked
         last.next_free_block, block.prev_free_block = block, last
         block.next_free_block, self._tail.prev_free_block = self._tail, block
         self.num_free_blocks += 1
@@ -132,13 +135,14 @@ class FreeKVCacheBlockQueue:
     def appendleft(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the front: it will be reused first."""
         first = self._head.next_free_block
+        assert first is not None  # the sentinels are always linked
         self._head.next_free_block, block.prev_free_block = block, self._head
         block.next_free_block, first.prev_free_block = first, block
         self.num_free_blocks += 1
 
     def __iter__(self) -> Iterator[KVCacheBlock]:
         b = self._head.next_free_block
-        while b is not self._tail:
+        while b is not None and b is not self._tail:
             yield b
             b = b.next_free_block
 

@@ -1,0 +1,38 @@
+"""The engine's data types (vLLM: ``vllm/v1/engine/__init__.py``).
+
+As in vLLM, the scheduler returns ``EngineCoreOutput`` objects defined here (vLLM's scheduler imports
+``vllm.v1.engine``). To keep that import from running up the layers, this ``__init__`` is a leaf: it holds data
+types only and imports nothing of minivllm (no engine module is loaded by ``import minivllm.engine``).
+``tests/test_layers.py`` places this module in the data layer, beside ``request.py`` and ``outputs.py``; the
+engine's modules (``llm_engine``, ``llm``, ...) sit above core and worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class EngineCoreOutput:
+    """New tokens of one request after one step (vLLM ``EngineCoreOutput``).
+
+    Attributes:
+        request_id: the request.
+        new_token_ids: tokens appended in this step (empty only when the request finished without one).
+        finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``.
+        stop_reason: the stop token id that matched, else ``None``.
+    """
+
+    request_id: str
+    new_token_ids: List[int]
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[object] = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What one ``EngineCore.step()`` produced: one ``EngineCoreOutput`` per request that got tokens or finished
+    (vLLM ``EngineCoreOutputs``)."""
+
+    outputs: List[EngineCoreOutput] = field(default_factory=list)

@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from minivllm.config import CacheConfig, SchedulerConfig, VllmConfig
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.utils.math_utils import cdiv
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}

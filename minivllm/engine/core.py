@@ -19,25 +19,17 @@ Where minivllm differs from vLLM:
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Iterable, List, Protocol
 
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.sched.output import SchedulerOutput
-from minivllm.core.sched.scheduler import EngineCoreOutput, Scheduler
+from minivllm.core.sched.scheduler import Scheduler
+from minivllm.engine import EngineCoreOutputs
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.outputs import RequestOutput
-
-
-@dataclass
-class EngineCoreOutputs:
-    """What one ``EngineCore.step()`` produced: one ``EngineCoreOutput`` per request that got tokens or finished
-    (vLLM: ``vllm/v1/engine/__init__.py``)."""
-
-    outputs: List[EngineCoreOutput] = field(default_factory=list)
 
 
 class StepObserver(Protocol):

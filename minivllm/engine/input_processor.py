@@ -14,7 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from minivllm.config import VllmConfig
-from minivllm.core.kv_cache_manager import cdiv
+from minivllm.utils.math_utils import cdiv
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.request import Request
 from minivllm.sampling_params import SamplingParams

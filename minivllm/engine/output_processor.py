@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
-from minivllm.core.sched.scheduler import EngineCoreOutput
+from minivllm.engine import EngineCoreOutput
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.outputs import CompletionOutput, RequestOutput
 from minivllm.request import Request

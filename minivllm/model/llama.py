@@ -8,7 +8,7 @@ fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import List, Optional
 
 import torch

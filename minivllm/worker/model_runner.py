@@ -17,8 +17,9 @@ import torch
 
 from minivllm import custom_ops
 from minivllm.attention.paged_attention import AttentionMetadata, DecodeGroup, split_decode_groups
-from minivllm.core.sched.output import ModelRunnerOutput, SchedulerOutput
+from minivllm.core.sched.output import SchedulerOutput
 from minivllm.model.llama import LlamaForCausalLM
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.cuda_graphs import DecodeGraphRunner
 from minivllm.worker.sampler import Sampler, SamplingMetadata

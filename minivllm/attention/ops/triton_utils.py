@@ -45,7 +45,7 @@ def check_device(kernel, **tensors: torch.Tensor) -> None:
                              f"{name} is on {t.device}")
         if not interpreted and t.device.type != "cuda":
             raise ValueError(f"{name}: compiled Triton kernels need CUDA tensors, {name} is on {t.device} "
-                             "(set TRITON_INTERPRET=1 before importing minivllm.attention.ops.* to run them on the CPU)")
+                             "(TRITON_INTERPRET=1, set before the process imports triton, runs them on the CPU)")
         if first is None:
             first = (name, t.device)
         elif t.device != first[1]:
@@ -118,3 +118,22 @@ def check_interpreter_consistent(kernel) -> None:
         raise RuntimeError("the kernels were imported under TRITON_INTERPRET=1 but triton itself was imported "
                            "before the variable was set (torch._dynamo imports it too): set TRITON_INTERPRET=1 "
                            "in the environment before the process imports torch or triton")
+
+
+def interpreter_problem() -> str | None:
+    """Why this Triton's interpreter cannot run the kernels here, or ``None``.
+
+    Triton 3.6's interpreter turns a loop bound (``range(tile_lo, tile_hi)`` on loaded values) into a Python int
+    with ``int()`` of a one-element NumPy array, which recent NumPy refuses ("only 0-dimensional arrays can be
+    converted to Python scalars", seen with NumPy 2.4); triton 3.7 squeezes the array first. Compiled kernels are
+    not affected.
+    """
+    import triton
+
+    major, minor = (int(x) for x in triton.__version__.split(".")[:2])
+    if (major, minor) < (3, 7):
+        import numpy
+
+        return (f"triton {triton.__version__}'s interpreter fails with NumPy {numpy.__version__} (int() of a "
+                "one-element array); triton >= 3.7 runs the interpreter tests")
+    return None

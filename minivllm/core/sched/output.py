@@ -65,18 +65,3 @@ class SchedulerOutput:
     @property
     def scheduled_req_ids(self) -> List[str]:
         return list(self.num_scheduled_tokens)
-
-
-@dataclass
-class ModelRunnerOutput:
-    """What the model runner returns (vLLM ``vllm/v1/outputs.py``).
-
-    ``sampled_token_ids[i]`` is ``[token]`` for request ``req_ids[i]``, or ``[]`` when that request's step was a
-    partial prefill: a token *was* sampled from its last position, then discarded.
-    """
-
-    req_ids: List[str]
-    req_id_to_index: Dict[str, int]
-    sampled_token_ids: List[List[int]]
-    finished_recving: Optional[Set[str]] = None
-    finished_sending: Optional[Set[str]] = None

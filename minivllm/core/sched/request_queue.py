@@ -3,21 +3,29 @@
 from __future__ import annotations
 
 import heapq
+from abc import ABC, abstractmethod
 from collections import deque
 from typing import Iterable, Iterator, List
 
 from minivllm.request import Request
 
 
-class RequestQueue:
+class RequestQueue(ABC):
     """Interface shared by both policies. ``prepend_request`` is how preempted requests come back."""
 
+    @abstractmethod
     def add_request(self, request: Request) -> None: ...
+    @abstractmethod
     def pop_request(self) -> Request: ...
+    @abstractmethod
     def peek_request(self) -> Request: ...
+    @abstractmethod
     def prepend_request(self, request: Request) -> None: ...
+    @abstractmethod
     def remove_requests(self, requests: Iterable[Request]) -> None: ...
+    @abstractmethod
     def __len__(self) -> int: ...
+    @abstractmethod
     def __iter__(self) -> Iterator[Request]: ...
 
     def __bool__(self) -> bool:

@@ -4,71 +4,32 @@ There are no prefill and decode phases. Each step the scheduler hands out one to
 (``max_num_batched_tokens``): first to the running requests in order (each wants
 ``num_tokens - num_computed_tokens`` tokens: a prefill chunk or one decode token), then, only if no running
 request had to be preempted in this step, to waiting requests in queue order.
+
+The one deviation from vLLM 0.32's ``Scheduler.schedule``: in the running loop, when a request cannot get its
+blocks and ends up preempting itself, vLLM stops the loop for both policies (``if new_blocks is None: break``,
+"Cannot schedule this request"), so the running requests behind it get nothing this step. minivllm does the same
+under FCFS (the victim is always the last running request, so nobody is behind it), but under the priority policy
+it goes on (``continue``) with the requests behind it: the self-preempted request was the worst one and has
+just freed all its blocks, so they may well fit, and leaving them idle for a step gains nothing.
+``tests/core/test_scheduler.py::test_priority_self_preemption_continues_with_the_requests_behind`` pins it.
 """
 
 from __future__ import annotations
 
-import time
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
-from minivllm.core.sched.output import CachedRequestData, ModelRunnerOutput, NewRequestData, SchedulerOutput
+from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
+from minivllm.core.sched.utils import check_stop
+from minivllm.engine import EngineCoreOutput
+from minivllm.metrics.stats import SchedulerStats
+from minivllm.outputs import ModelRunnerOutput
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.base import KVConnectorBase
-
-
-@dataclass
-class EngineCoreOutput:
-    """New tokens of one request after one step (vLLM ``vllm/v1/engine/__init__.py``)."""
-
-    request_id: str
-    new_token_ids: List[int]
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[object] = None
-
-
-@dataclass
-class SchedulerStats:
-    """Counters of a whole run."""
-
-    num_steps: int = 0
-    num_preemptions: int = 0
-    num_scheduled_tokens: int = 0
-    num_generated_tokens: int = 0
-    preempted_per_step: List[int] = field(default_factory=list)  # by schedule(); not reset_prefix_cache's
-
-
-def check_stop(request: Request, max_model_len: int) -> bool:
-    """Finish ``request`` if its last token ends it (vLLM ``vllm/v1/core/sched/utils.py:check_stop``, v0.32.0).
-
-    The order is vLLM 0.32's: EOS first (``stop_reason`` stays ``None``; skipped with ``ignore_eos``), then
-    ``stop_token_ids`` (``stop_reason`` is the token), then the length (``max_model_len`` or ``max_tokens``). So a
-    token that is both the last one allowed and EOS or a stop token finishes the request with reason ``"stop"``,
-    and its text is left out of the output like any stop token's. (Early V1 releases tested the length first.)
-    ``min_tokens`` needs no check here: the sampler never lets EOS or a stop token through before ``min_tokens``
-    tokens exist (in vLLM the ``min_tokens`` test after the length only gates repetition detection, which
-    minivllm does not have). Stop *strings* are checked by the detokenizer.
-    """
-    sp = request.sampling_params
-    last = request.output_token_ids[-1]
-    if not sp.ignore_eos and request.eos_token_id is not None and last == request.eos_token_id:
-        request.status = RequestStatus.FINISHED_STOPPED
-        return True
-    if last in sp.stop_token_ids:
-        request.status = RequestStatus.FINISHED_STOPPED
-        request.stop_reason = last
-        return True
-    if request.num_tokens >= max_model_len or (
-        request.max_tokens is not None and request.num_output_tokens >= request.max_tokens
-    ):
-        request.status = RequestStatus.FINISHED_LENGTH_CAPPED
-        return True
-    return False
 
 
 class Scheduler:
@@ -143,17 +104,19 @@ class Scheduler:
         running_scheduled: List[Request] = []
         new_block_ids: Dict[str, List[int]] = {}
         preempted_reqs: List[Request] = []
-        threshold = cfg.long_prefill_token_threshold
+        long_prefill_token_threshold = cfg.long_prefill_token_threshold
         if len(self.running) + len(self.waiting) <= 1:
-            threshold = 0  # vLLM 0.33: the per-request cap is pointless when only one request is eligible
+            # As in vLLM 0.32 (scheduler.py): the cap exists so that a long prefill does not starve other requests;
+            # with a single eligible request there is nobody to starve, so it may use the whole budget.
+            long_prefill_token_threshold = 0
 
         # 1. running requests ----------------------------------------------------------------------------
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
             n = request.num_tokens - request.num_computed_tokens
-            if 0 < threshold < n:
-                n = threshold
+            if 0 < long_prefill_token_threshold < n:
+                n = long_prefill_token_threshold
             # No position may reach max_model_len. vLLM caps at max_model_len - 1 - computed to leave room for
             # speculative tokens; minivllm has none, and that extra -1 would starve the last chunk of a prompt
             # of exactly max_model_len tokens forever (n == 0 every step).
@@ -180,7 +143,9 @@ class Scheduler:
                     break
             if new_blocks is None:
                 if self.policy == "priority":
-                    continue  # self-preempted; requests behind it may still fit
+                    # Deviation from vLLM 0.32, which breaks here for both policies (see the module docstring):
+                    # the request preempted itself and freed its blocks; the requests behind it may still fit.
+                    continue
                 break
             running_scheduled.append(request)
             num_scheduled_tokens[request.request_id] = n
@@ -189,57 +154,63 @@ class Scheduler:
             i += 1
 
         # 2. waiting requests: only in a step that preempted nobody ----------------------------------------
-        skipped: List[Request] = []
+        step_skipped_waiting: List[Request] = []
         if not preempted_reqs:
             while self.waiting and token_budget > 0 and len(self.running) < cfg.max_num_seqs:
                 request = self.waiting.peek_request()
                 if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
                     if not self._update_waiting_for_remote_kv(request):
-                        skipped.append(self.waiting.pop_request())
+                        step_skipped_waiting.append(self.waiting.pop_request())
                         continue
-                num_external, load_async = 0, False
-                queried = request.num_computed_tokens == 0
-                if queried:
-                    hit_blocks, num_local = self.kv_cache_manager.get_computed_blocks(request)
+                num_external_computed_tokens, load_kv_async = 0, False
+                did_prefix_cache_lookup = request.num_computed_tokens == 0
+                if did_prefix_cache_lookup:
+                    new_computed_blocks, num_new_local_computed_tokens = self.kv_cache_manager.get_computed_blocks(
+                        request
+                    )
                     if self.connector is not None:
-                        ext = self.connector.get_num_new_matched_tokens(request, num_local)
-                        if ext[0] is None:  # the connector cannot tell yet: ask again next step
-                            skipped.append(self.waiting.pop_request())
+                        ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
+                            request, num_new_local_computed_tokens
+                        )
+                        if ext_tokens is None:  # the connector cannot tell yet: ask again next step
+                            step_skipped_waiting.append(self.waiting.pop_request())
                             continue
-                        num_external, load_async = ext
+                        num_external_computed_tokens = ext_tokens
                 else:  # its KV was loaded by an async connector load
-                    hit_blocks, num_local = [], 0
-                num_computed = request.num_computed_tokens + num_local + num_external
-                n = 0 if load_async else request.num_tokens - num_computed
-                if 0 < threshold < n:
-                    n = threshold
-                if not cfg.enable_chunked_prefill and n > token_budget:
+                    new_computed_blocks, num_new_local_computed_tokens = [], 0
+                num_computed_tokens = (
+                    request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
+                )
+                num_new_tokens = 0 if load_kv_async else request.num_tokens - num_computed_tokens
+                if 0 < long_prefill_token_threshold < num_new_tokens:
+                    num_new_tokens = long_prefill_token_threshold
+                if not cfg.enable_chunked_prefill and num_new_tokens > token_budget:
                     break  # strict FCFS: nothing overtakes a prompt that does not fit this step
-                n = min(n, token_budget)
+                num_new_tokens = min(num_new_tokens, token_budget)
                 new_blocks = self.kv_cache_manager.allocate_slots(
                     request,
-                    n,
-                    num_new_computed_tokens=num_local + num_external,
-                    new_computed_blocks=hit_blocks,
+                    num_new_tokens,
+                    num_new_computed_tokens=num_new_local_computed_tokens + num_external_computed_tokens,
+                    new_computed_blocks=new_computed_blocks,
                     full_sequence_must_fit=True,
-                    delay_cache_blocks=load_async,
+                    delay_cache_blocks=load_kv_async,
                 )
                 if new_blocks is None:
                     if not self.running and not num_scheduled_tokens:
                         self._release_blocks_of_waiting_requests(keep=request)
                     break  # waiting requests never preempt; the queue head waits for blocks
                 if request.num_computed_tokens == 0:
-                    self.kv_cache_manager.record_prefix_cache_query(request, num_local)
+                    self.kv_cache_manager.record_prefix_cache_query(request, num_new_local_computed_tokens)
                 if self.connector is not None:
                     self.connector.update_state_after_alloc(
-                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external
+                        request, self.kv_cache_manager.get_blocks(request.request_id), num_external_computed_tokens
                     )
                 self.waiting.pop_request()
-                if load_async:
+                if load_kv_async:
                     request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    request.num_computed_tokens = num_computed
-                    request.num_external_computed_tokens = num_external
-                    skipped.append(request)
+                    request.num_computed_tokens = num_computed_tokens
+                    request.num_external_computed_tokens = num_external_computed_tokens
+                    step_skipped_waiting.append(request)
                     continue
                 self.running.append(request)
                 if request.status == RequestStatus.PREEMPTED:
@@ -248,16 +219,16 @@ class Scheduler:
                     new_reqs.append(request)
                 request.status = RequestStatus.RUNNING
                 if request.num_cached_tokens < 0:
-                    # num_computed, not num_local + num_external: after an async load both are 0 here
-                    request.num_cached_tokens = num_computed
-                request.num_computed_tokens = num_computed
-                if queried:  # not on the second visit after an async load, which asks nothing
-                    request.num_external_computed_tokens = num_external
-                num_scheduled_tokens[request.request_id] = n
+                    # num_computed_tokens, not local + external: after an async load both are 0 here
+                    request.num_cached_tokens = num_computed_tokens
+                request.num_computed_tokens = num_computed_tokens
+                if did_prefix_cache_lookup:  # not on the second visit after an async load, which asks nothing
+                    request.num_external_computed_tokens = num_external_computed_tokens
+                num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
-                token_budget -= n
-        if skipped:
-            self.waiting.prepend_requests(skipped)
+                token_budget -= num_new_tokens
+        if step_skipped_waiting:
+            self.waiting.prepend_requests(step_skipped_waiting)
 
         total = sum(num_scheduled_tokens.values())
         assert total <= cfg.max_num_batched_tokens, (total, cfg.max_num_batched_tokens)
@@ -297,7 +268,6 @@ class Scheduler:
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(preempted_reqs)
         self.stats.num_scheduled_tokens += total
-        self.stats.preempted_per_step.append(len(preempted_reqs))
         return output
 
     def _pick_victim(self) -> Request:
@@ -315,16 +285,13 @@ class Scheduler:
         self.kv_cache_manager.free(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
-        request.is_prefill_chunk = False
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now, so the next schedule() could already give the next chunk (vLLM does the same).
         for req_id, n in output.num_scheduled_tokens.items():
-            r = self.requests[req_id]
-            r.num_computed_tokens += n
-            r.is_prefill_chunk = r.num_computed_tokens < r.num_tokens
+            self.requests[req_id].num_computed_tokens += n
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
 
@@ -388,7 +355,6 @@ class Scheduler:
             for tok in new_ids:
                 request.append_output_token_ids([tok])
                 kept.append(tok)
-                self.stats.num_generated_tokens += 1
                 if check_stop(request, self.max_model_len):
                     done = True
                     break

@@ -14,8 +14,8 @@ from typing import Callable, List
 import torch
 
 from minivllm.attention.paged_attention import compute_slot_mapping, gather_kv, reference_paged_attention, write_kv_cache
-from minivllm.exercises._harness import Variant, call, check_cases, checker, compare_tensors, fail
-from minivllm.exercises._reference import attention_ref, one_request_metadata
+from minivllm.course.exercises._harness import Variant, call, check_cases, checker, compare_tensors, fail
+from minivllm.course.exercises._reference import attention_ref, one_request_metadata
 
 
 # ---- slot mapping -----------------------------------------------------------------------------------------------

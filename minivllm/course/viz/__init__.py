@@ -1,8 +1,9 @@
 """Pictures of a recorded run (``SchedulerTrace``): the queue animator, single frames, and static plots.
 
-Record a run with ``LLMEngine(..., record_trace=True)`` (or ``LLM(..., record_trace=True)``), then::
+Record a run with ``TracedLLMEngine(...)`` from ``minivllm.course.trace`` (or register a ``SchedulerTrace`` with
+``llm.llm_engine.add_step_observer(trace)``), then::
 
-    from minivllm.viz import QueueAnimator, plot_timeline
+    from minivllm.course.viz import QueueAnimator, plot_timeline
     QueueAnimator(engine.trace)          # Play / slider over every step (works in exported HTML too)
     plot_timeline(engine.trace)          # requests x steps: waiting / prefill chunk / decode / preempted
 
@@ -11,13 +12,13 @@ matplotlib), ``animator`` (the widget), ``timeline`` (state of each request in e
 per request, batch occupancy, budget usage), ``plots`` (static plots).
 """
 
-from minivllm.viz.animator import QueueAnimator
-from minivllm.viz.colors import owner_colors, request_order
-from minivllm.viz.frame import render_frame_html
-from minivllm.viz.frame_image import draw_frame, save_frame_png
-from minivllm.viz.plots import plot_free_blocks, plot_timeline, plot_tokens_per_step
-from minivllm.viz.metrics import RequestLatency, batch_occupancy, budget_usage, request_latencies
-from minivllm.viz.timeline import ABSENT, DECODE, IDLE, PREEMPTED, PREFILL, STATE_NAMES, WAITING, timeline_states
+from minivllm.course.viz.animator import QueueAnimator
+from minivllm.course.viz.colors import owner_colors, request_order
+from minivllm.course.viz.frame import render_frame_html
+from minivllm.course.viz.frame_image import draw_frame, save_frame_png
+from minivllm.course.viz.plots import plot_free_blocks, plot_timeline, plot_tokens_per_step
+from minivllm.course.viz.metrics import RequestLatency, batch_occupancy, budget_usage, request_latencies
+from minivllm.course.viz.timeline import ABSENT, DECODE, IDLE, PREEMPTED, PREFILL, STATE_NAMES, WAITING, timeline_states
 
 __all__ = [
     "QueueAnimator", "render_frame_html", "draw_frame", "save_frame_png", "owner_colors", "request_order",

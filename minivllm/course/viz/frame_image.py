@@ -12,8 +12,8 @@ from typing import Dict, Optional
 import matplotlib.pyplot as plt
 from matplotlib.patches import Rectangle
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
 
 _W = 12.0  # drawing width in data units
 _BOX_W, _BOX_H, _GAP = 1.85, 1.05, 0.12
@@ -67,7 +67,7 @@ def draw_frame(
     Raises ``ValueError`` for an empty trace or ``k`` outside ``[0, len(trace))``.
     """
     if len(trace) == 0:
-        raise ValueError("trace is empty: run the engine with record_trace=True and step it at least once")
+        raise ValueError("trace is empty: record the run with a SchedulerTrace (a TracedLLMEngine) and step it at least once")
     if not isinstance(k, int) or not 0 <= k < len(trace):
         raise ValueError(f"k must be an int in [0, {len(trace) - 1}], got {k!r}")
     colors = owner_colors(trace) if colors is None else colors

@@ -10,8 +10,8 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.colors import request_order
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.colors import request_order
 
 ABSENT, WAITING, PREFILL, DECODE, PREEMPTED, IDLE = range(6)
 STATE_NAMES = ["not in engine", "waiting", "prefill chunk", "decode", "preempted", "running, no tokens"]

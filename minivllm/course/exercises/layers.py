@@ -10,8 +10,8 @@ from typing import Callable, Optional
 
 import torch
 
-from minivllm.exercises._harness import Variant, check_cases, checker
-from minivllm.exercises._reference import (
+from minivllm.course.exercises._harness import Variant, check_cases, checker
+from minivllm.course.exercises._reference import (
     attention_ref,
     contiguous_attention,
     layer_from_parts,

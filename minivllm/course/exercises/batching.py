@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from typing import Callable, List
 
-from minivllm.exercises._harness import call, checker, fail
+from minivllm.course.exercises._harness import call, checker, fail
 
 
 def _engine(max_num_seqs: int):
-    from minivllm.engine.trace import TracedLLMEngine
+    from minivllm.course.trace import TracedLLMEngine
 
     return TracedLLMEngine("tiny", max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                      num_gpu_blocks=64, enable_prefix_caching=False)
@@ -25,13 +25,13 @@ def check_static_batching(fn: Callable) -> int:
 
     ``fn`` must add ``prompts[i]`` with ``params[i]`` through ``engine.add_request(None, prompt, params)`` in
     batches of ``batch_size`` (the last batch may be smaller), step the engine until every request of the batch
-    has finished, and only then add the next batch. The expected run is ``minivllm.batching.run_static`` on a
+    has finished, and only then add the next batch. The expected run is ``minivllm.course.batching.run_static`` on a
     fresh engine with the same settings: same number of steps, same requests in the engine at every step.
 
     Raises:
         ExerciseFailed: naming the failing input, what differs, and a hint for known mistakes.
     """
-    from minivllm.batching import mixed_requests, run_static
+    from minivllm.course.batching import mixed_requests, run_static
 
     # (requests, batch size, seed); the second ends with a short batch. Short outputs keep the check fast.
     cases = [(8, 4, 7), (7, 3, 1)]

@@ -1,6 +1,6 @@
 """Run a learner's function on reference inputs and explain the first failure in words.
 
-Every checker in ``minivllm.exercises`` follows the same contract:
+Every checker in ``minivllm.course.exercises`` follows the same contract:
 
 * all tests pass: print one line ``✓ <name>: all N tests passed`` and return ``None``;
 * the function is still the notebook's stub (it raises ``NotImplementedError``): print how to go on, return;

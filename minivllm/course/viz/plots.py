@@ -13,8 +13,8 @@ import numpy as np
 from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Patch
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.timeline import STATE_COLORS, STATE_NAMES, timeline_states
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.timeline import STATE_COLORS, STATE_NAMES, timeline_states
 
 
 def _axes(ax, size):

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Dict, List
 
-from minivllm.engine.trace import SchedulerTrace
+from minivllm.course.trace import SchedulerTrace
 
 # matplotlib's "tab20" reordered so that neighbours differ strongly (dark tones first, then their light tones).
 PALETTE: List[str] = [

@@ -6,9 +6,9 @@ from typing import Callable, List
 
 import torch
 
-from minivllm.exercises._harness import Variant, _NotWrittenYet, call, check_cases, checker, compare_tensors, fail
-from minivllm.exercises._reference import attention_ref, contiguous_attention
-from minivllm.exercises.layers import _attn_variants
+from minivllm.course.exercises._harness import Variant, _NotWrittenYet, call, check_cases, checker, compare_tensors, fail
+from minivllm.course.exercises._reference import attention_ref, contiguous_attention
+from minivllm.course.exercises.layers import _attn_variants
 
 
 def _describe(steps: List[str]) -> str:

@@ -12,8 +12,8 @@ from typing import Dict, Optional
 
 import numpy as np
 
-from minivllm.engine.trace import SchedulerTrace
-from minivllm.viz.colors import request_order
+from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.colors import request_order
 
 
 @dataclass

@@ -6,7 +6,7 @@ from typing import Callable, List
 
 import torch
 
-from minivllm.exercises._harness import call, checker, fail
+from minivllm.course.exercises._harness import call, checker, fail
 
 _VOCAB = 50
 

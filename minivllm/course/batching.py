@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Sequence, Union
 
 from minivllm.engine.llm_engine import LLMEngine, PromptType
-from minivllm.engine.trace import SchedulerTrace
+from minivllm.course.trace import SchedulerTrace
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 

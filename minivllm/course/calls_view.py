@@ -1,6 +1,6 @@
 """The queue animator with one more panel: the KV connector calls of the step on screen.
 
-Needs a run recorded with ``record_trace=True`` and a ``RecordingConnector`` (``StepRecord.connector_calls``).
+Needs a run recorded by a ``SchedulerTrace`` (``TracedLLMEngine``) and a ``RecordingConnector`` (``StepRecord.connector_calls``).
 The panel is a ``widgets.Stack`` of pre-rendered HTML tables whose ``selected_index`` is linked to the animator's
 slider in the browser (``jsdlink``), like the animator's own frames, so it also plays in exported HTML.
 """
@@ -12,7 +12,7 @@ from typing import Any, Dict, List
 
 import ipywidgets as widgets
 
-from minivllm.distributed.kv_transfer.recording_connector import format_call
+from minivllm.course.recording_connector import format_call
 
 _CELL = "padding:1px 8px;border-bottom:1px solid #ddd;text-align:left;font-family:monospace;font-size:12px"
 
@@ -45,7 +45,7 @@ class ConnectorAnimator:
 
     Args:
         trace: a ``SchedulerTrace`` recorded with a ``RecordingConnector``.
-        **animator_kwargs: passed to ``minivllm.viz.QueueAnimator`` (``interval_ms``, ``start``, ...).
+        **animator_kwargs: passed to ``minivllm.course.viz.QueueAnimator`` (``interval_ms``, ``start``, ...).
 
     Attributes:
         animator: the ``QueueAnimator``; ``panel``: the ``widgets.Stack`` of call tables; ``widget``: both.
@@ -55,7 +55,7 @@ class ConnectorAnimator:
     """
 
     def __init__(self, trace, **animator_kwargs) -> None:
-        from minivllm.viz import QueueAnimator
+        from minivllm.course.viz import QueueAnimator
 
         self.animator = QueueAnimator(trace, **animator_kwargs)
         self.tables = [connector_calls_html(s.connector_calls, s.step) for s in trace.steps]

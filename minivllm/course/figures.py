@@ -3,7 +3,7 @@
 Figures are a registry ``file name -> function(path)``: each function runs the engine (the tiny random-weight
 model where only scheduling mechanics matter), draws, and writes one file at ``path``. To add a figure::
 
-    from minivllm.figures import register
+    from minivllm.course.figures import register
 
     @register("my_figure.png")
     def my_figure(path):
@@ -25,10 +25,10 @@ from typing import Callable, Dict, List, Optional
 FIGURES: Dict[str, Callable[[Path], None]] = {}
 """``file name -> function(path)`` for every registered figure."""
 
-FIGURE_MODULES: List[str] = ["minivllm.figures"]
+FIGURE_MODULES: List[str] = ["minivllm.course.figures"]
 """Modules imported by ``main`` so that their ``@register`` decorators run (add yours here)."""
 
-DEFAULT_OUT = Path(__file__).resolve().parents[1] / "images"
+DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images"
 _DPI = 100
 
 
@@ -66,7 +66,7 @@ def preemption_run():
     import numpy as np
 
     from minivllm import SamplingParams
-    from minivllm.engine.trace import TracedLLMEngine
+    from minivllm.course.trace import TracedLLMEngine
 
     eng = TracedLLMEngine("tiny", num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
     rng = np.random.default_rng(0)
@@ -80,8 +80,8 @@ def preemption_run():
 def batching_runs(batch_size: int = 4):
     """``(static, continuous)`` ``BatchingRun``s of ``mixed_requests()`` on the tiny model with
     ``max_num_seqs=batch_size``, a 256-token budget and 64 blocks (no preemption)."""
-    from minivllm.engine.trace import TracedLLMEngine
-    from minivllm.batching import mixed_requests, run_continuous, run_static
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.batching import mixed_requests, run_continuous, run_static
 
     prompts, params = mixed_requests()
 
@@ -96,7 +96,7 @@ def batching_runs(batch_size: int = 4):
 @register("queue_frame_preemption.png")
 def queue_frame_preemption(path: Path) -> None:
     """The step in which request 3 is preempted: queues, budget, KV blocks by owner."""
-    from minivllm.viz import save_frame_png
+    from minivllm.course.viz import save_frame_png
 
     trace = preemption_run().trace
     step = trace.preemptions()[0][0]
@@ -108,7 +108,7 @@ def timeline_preemption(path: Path) -> None:
     """Timeline, tokens per step and free blocks of the preemption run."""
     import matplotlib.pyplot as plt
 
-    from minivllm.viz import plot_free_blocks, plot_timeline, plot_tokens_per_step
+    from minivllm.course.viz import plot_free_blocks, plot_timeline, plot_tokens_per_step
 
     trace = preemption_run().trace
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [1.4, 1, 1]})
@@ -124,7 +124,7 @@ def static_vs_continuous(path: Path) -> None:
     """The same 12 requests under static batching (batches of 4) and continuous batching (max_num_seqs 4)."""
     import matplotlib.pyplot as plt
 
-    from minivllm.viz import batch_occupancy, plot_timeline
+    from minivllm.course.viz import batch_occupancy, plot_timeline
 
     static, cont = batching_runs()
     n = max(static.num_steps, cont.num_steps)
@@ -144,7 +144,7 @@ def latency_static_vs_continuous(path: Path) -> None:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from minivllm.viz import request_latencies
+    from minivllm.course.viz import request_latencies
 
     static, cont = batching_runs()
     ls, lc = request_latencies(static.trace, static.arrivals), request_latencies(cont.trace, cont.arrivals)

@@ -14,19 +14,19 @@ Notebook 03 (paged KV blocks): ``check_slot_mapping``, ``check_write_kv``, ``che
 Notebook 04 (static versus continuous batching): ``check_static_batching``.
 """
 
-from minivllm.exercises._harness import ExerciseFailed
-from minivllm.exercises._reference import one_request_metadata, split_layer_weights
-from minivllm.exercises.batching import check_static_batching
-from minivllm.exercises.generation import check_greedy_generate
-from minivllm.exercises.kv_cache import check_cached_attention, check_kv_cache
-from minivllm.exercises.layers import (
+from minivllm.course.exercises._harness import ExerciseFailed
+from minivllm.course.exercises._reference import one_request_metadata, split_layer_weights
+from minivllm.course.exercises.batching import check_static_batching
+from minivllm.course.exercises.generation import check_greedy_generate
+from minivllm.course.exercises.kv_cache import check_cached_attention, check_kv_cache
+from minivllm.course.exercises.layers import (
     check_decoder_layer,
     check_gqa_attention,
     check_rms_norm,
     check_rope,
     check_swiglu,
 )
-from minivllm.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
+from minivllm.course.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
 
 __all__ = [
     "ExerciseFailed",

@@ -1,6 +1,6 @@
 """One step of a recorded run as self-contained HTML: the frame the queue animator shows.
 
-A frame draws one ``StepRecord`` (see ``minivllm/engine/trace.py``): the waiting queue (front first) and the
+A frame draws one ``StepRecord`` (see ``minivllm/course/trace.py``): the waiting queue (front first) and the
 running queue (admission order), one box per request with its id and token counters; the tokens each scheduled
 request computes in this step, a prefill chunk drawn striped and a decode token drawn solid; how much of the
 token budget (``max_num_batched_tokens``) the step used; the requests admitted, resumed, preempted and finished
@@ -18,8 +18,8 @@ from __future__ import annotations
 from html import escape
 from typing import Dict, List, Optional
 
-from minivllm.engine.trace import SchedulerTrace, StepRecord
-from minivllm.viz.colors import owner_colors, text_color
+from minivllm.course.trace import SchedulerTrace, StepRecord
+from minivllm.course.viz.colors import owner_colors, text_color
 
 FRAME_CSS = """
 .mv-frame {font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35;
@@ -203,7 +203,7 @@ def render_frame_html(
     """HTML of step ``k`` of ``trace``: queues, scheduled tokens, budget, events and KV block pool.
 
     Args:
-        trace: a recorded run (``LLMEngine(..., record_trace=True).trace``).
+        trace: a recorded run (``TracedLLMEngine(...).trace``).
         k: the step, ``0 <= k < len(trace)``.
         colors: ``request id -> "#rrggbb"``; default ``owner_colors(trace)`` (stable over the whole run).
         max_blocks: draw at most this many KV blocks (the rest is summarised in one line).
@@ -220,7 +220,7 @@ def render_frame_html(
     counts tokens sampled in earlier steps.
     """
     if len(trace) == 0:
-        raise ValueError("trace is empty: run the engine with record_trace=True and step it at least once")
+        raise ValueError("trace is empty: record the run with a SchedulerTrace (a TracedLLMEngine) and step it at least once")
     if not isinstance(k, int) or not 0 <= k < len(trace):
         raise ValueError(f"k must be an int in [0, {len(trace) - 1}], got {k!r}")
     if max_blocks < 1:

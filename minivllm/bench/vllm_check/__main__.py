@@ -1,0 +1,5 @@
+import sys
+
+from minivllm.bench.vllm_check.cli import main
+
+sys.exit(main())
