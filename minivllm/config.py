@@ -1,4 +1,5 @@
-"""Engine configuration, validated up front (vLLM: ``vllm/config/scheduler.py``, ``vllm/config/cache.py``)."""
+"""Engine configuration, validated up front (vLLM: ``vllm/config/scheduler.py``, ``vllm/config/cache.py``,
+``vllm/config/model.py``, ``vllm/config/load.py``)."""
 
 from __future__ import annotations
 
@@ -81,6 +82,48 @@ class SchedulerConfig:
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
 
 
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+@dataclass
+class LoadConfig:
+    """How the weights are loaded (vLLM: ``vllm/config/load.py``).
+
+    Args:
+        load_format: ``"gguf"`` (a llama.cpp file), ``"safetensors"`` (a Hugging Face folder), ``"dummy"`` (seeded
+            random weights of the model's architecture: vLLM's name) or ``"auto"`` (chosen from the model:
+            ``minivllm.model.loader.create_model_and_load_config`` replaces it with one of the others).
+        seed: the seed of the dummy weights.
+
+    Raises:
+        ValueError: for an unknown ``load_format``.
+    """
+
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model (vLLM: ``vllm/config/model.py``; the engine's limits such as ``max_model_len`` live in
+    ``SchedulerConfig`` here).
+
+    Args:
+        model: a ``.gguf`` file, a Hugging Face folder, or a built-in name (``"tiny"``).
+        hf_config: the architecture, a ``minivllm.model.config.LlamaConfig`` (typed ``Any``: this module is a
+            leaf of the import graph and imports nothing of the model layer).
+        tokenizer: where the tokenizer is read from, or ``None`` (a built-in model has none).
+    """
+
+    model: str
+    hf_config: Any
+    tokenizer: Optional[str] = None
+
+
 @dataclass(frozen=True)
 class VllmConfig:
     """Every setting of one engine, resolved and validated (vLLM: ``VllmConfig`` in ``vllm/config/vllm.py``).
@@ -90,19 +133,21 @@ class VllmConfig:
     Where minivllm differs from vLLM: vLLM's config holds only settings (``ModelConfig`` reads the Hugging Face
     config, and the worker loads the weights later). minivllm's GGUF reader yields the config and the weights in
     one pass, and the KV pool size depends on the loaded dtype, so the loaded ``model`` and its ``tokenizer``
-    travel in the config to the ``EngineCore``. ``model_config`` is the model's own ``LlamaConfig`` (vLLM:
-    ``model_config.hf_config``).
+    travel in the config to the ``EngineCore``. ``hf_config`` is the loaded model's own ``LlamaConfig`` (vLLM:
+    ``model_config.hf_config``; the model may also be handed in built, without a ``ModelConfig``).
 
     Attributes:
-        model_config: the architecture (``LlamaConfig``: layers, heads, ``vocab_size``, context length).
+        hf_config: the architecture (``LlamaConfig``: layers, heads, ``vocab_size``, context length).
         cache_config / scheduler_config: as above, with ``num_gpu_blocks`` and the limits resolved.
         model: the loaded ``LlamaForCausalLM``; tokenizer: a transformers tokenizer or ``None``.
         dtype / device: ``torch.dtype`` and ``torch.device`` of the weights and the KV cache.
         seed: seed of the generator shared by requests without a seed of their own.
         kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``).
+        attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
+            and dtype) and whether CUDA graphs are off, as in vLLM.
     """
 
-    model_config: Any
+    hf_config: Any
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
     model: Any
@@ -111,3 +156,5 @@ class VllmConfig:
     device: Any
     seed: int = 0
     kv_connector: Any = None
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False

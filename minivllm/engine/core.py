@@ -58,8 +58,9 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching)
         self.scheduler = Scheduler(sched, self.kv_cache_manager, vllm_config.kv_connector)
-        self.model_executor = ModelRunner(vllm_config.model, num_gpu_blocks, cache.block_size,
-                                          vllm_config.device, vllm_config.seed, vllm_config.kv_connector)
+        self.model_executor = ModelRunner(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
+                                          vllm_config.seed, vllm_config.kv_connector, vllm_config.attention_backend,
+                                          vllm_config.enforce_eager)
         self.step_observers: List[StepObserver] = []
 
     def add_request(self, request: Request) -> None:

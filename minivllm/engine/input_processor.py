@@ -31,7 +31,7 @@ class InputProcessor:
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         self.tokenizer = vllm_config.tokenizer
-        self.vocab_size: int = vllm_config.model_config.vocab_size
+        self.vocab_size: int = vllm_config.hf_config.vocab_size
         self.max_model_len = vllm_config.scheduler_config.max_model_len
         cache = vllm_config.cache_config
         assert cache.num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
@@ -39,7 +39,7 @@ class InputProcessor:
         caching_or_connector = cache.enable_prefix_caching or vllm_config.kv_connector is not None
         self._block_hasher: Optional[Callable] = get_request_block_hasher(self.block_size) if caching_or_connector else None
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
-        self.eos_token_id: Optional[int] = tok_eos if tok_eos is not None else vllm_config.model_config.eos_token_id
+        self.eos_token_id: Optional[int] = tok_eos if tok_eos is not None else vllm_config.hf_config.eos_token_id
 
     def tokenize(self, prompt: Any) -> Tuple[Optional[str], List[int]]:
         """``(prompt text or None, token ids)`` of a ``PromptType``; raises ``ValueError`` for anything else."""

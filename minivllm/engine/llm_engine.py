@@ -33,7 +33,8 @@ class LLMEngine:
             ``enable_prefix_caching``, ``dtype``, ``device``, ``kv_connector``, ...).
 
     Attributes:
-        vllm_config, model_config (the model's ``LlamaConfig``), cache_config, scheduler_config: the settings.
+        vllm_config, model_config (the model's ``LlamaConfig``, vLLM's ``model_config.hf_config``), cache_config,
+        scheduler_config: the settings.
         input_processor, engine_core, output_processor: the three layers.
         scheduler, kv_cache_manager, model_runner: the engine core's parts, for inspection between steps.
 
@@ -45,7 +46,7 @@ class LLMEngine:
         config = EngineArgs(model, **engine_kwargs).create_engine_config()
         self.vllm_config = config
         self.model_config, self.cache_config, self.scheduler_config = (
-            config.model_config, config.cache_config, config.scheduler_config)
+            config.hf_config, config.cache_config, config.scheduler_config)
         self.model, self.tokenizer, self.dtype, self.device = config.model, config.tokenizer, config.dtype, config.device
         self.kv_connector = config.kv_connector
 

@@ -11,7 +11,11 @@ engine's ``Scheduler`` (``schedule`` / ``update_from_output``), ``SchedulerOutpu
   ``ModelRunnerOutput``s, as on vLLM's side (a random-weight model is built only because ``LLMEngine`` needs one;
   it never runs).
 
-Modes minivllm cannot run yet (the V2 model runner, async scheduling) are reported by ``unsupported_reason``.
+Modes minivllm cannot run yet (the V2 model runner, async scheduling) are reported by ``unsupported_reason``: a
+mode runs as soon as ``LLMEngine`` accepts ``model_runner="v2"`` / ``async_scheduling=True``. For the async modes
+the engine's ``Scheduler`` is then driven as vLLM's ``AsyncScheduler`` is: ``schedule()`` for step n+1 is called
+before ``update_from_output`` of step n, and a request samples in a step when, right after ``schedule()``,
+``num_computed_tokens >= num_tokens + num_output_placeholders`` (vLLM's ``not request.is_prefill_chunk``).
 """
 
 from __future__ import annotations
@@ -239,11 +243,13 @@ class _ScriptedAdapter:
         return list(so.num_scheduled_tokens)
 
     def will_sample(self, rid):
+        # Right after schedule(): the step reaches the end of the known sequence (plus any output placeholders
+        # of async scheduling), as vLLM's is_prefill_chunk says on its side.
         r = self.sched.requests[rid]
-        return not r.is_prefill_chunk
+        return r.num_computed_tokens >= r.num_tokens + getattr(r, "num_output_placeholders", 0)
 
     def make_output(self, so, sampled):
-        from minivllm.core.sched.output import ModelRunnerOutput
+        from minivllm.outputs import ModelRunnerOutput
 
         ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
