@@ -437,3 +437,65 @@ def test_q9_seeded_stream_untouched_by_discarded_draws():
     assert torch.equal(states[0], fresh) and torch.equal(states[1], fresh)
     assert not torch.equal(states[2], fresh)
     assert returned_c[-1][0].outputs[0].token_ids == returned_u[-1][0].outputs[0].token_ids
+
+
+# --- Claims added with the vLLM-0.32 scoping of the notebooks (05, 06, 10) --------------------------------------
+
+
+def test_q6_no_chunk_size_threshold_ignored_for_a_lone_request():
+    # 05 / Q6: a chunk is what the budget leaves, capped by long_prefill_token_threshold only when more than one
+    # request is running or waiting (vLLM 0.32 scheduler.py L645).
+    alone = tiny(max_num_batched_tokens=64, long_prefill_token_threshold=48)
+    alone.add_request("q", LONG_PROMPT, greedy(1))
+    alone.run_to_completion()
+    assert alone.trace.chunk_sizes("q") == [64, 64, 32]
+    pair = tiny(max_num_batched_tokens=64, long_prefill_token_threshold=48)
+    pair.add_request("q", LONG_PROMPT, greedy(1))
+    pair.add_request("o", list(range(1, 21)), greedy(1))
+    pair.run_to_completion()
+    assert pair.trace.chunk_sizes("q") == [48, 48, 64]  # capped while "o" is there, whole budget once it is done
+
+
+def test_q8_discard_rule_is_known_sequence_not_prompt():
+    # Q8 / 05: a resumed request's recompute chunk that ends exactly at the end of the prompt is still discarded,
+    # because its known sequence (prompt + the output generated before the preemption) is not finished.
+    def run(num_gpu_blocks):
+        eng = tiny(block_size=16, num_gpu_blocks=num_gpu_blocks, max_num_batched_tokens=64, record_inputs=True)
+        eng.add_request("A", list(range(1, 41)), greedy(40))
+        eng.add_request("B", list(range(100, 228)), greedy(12))  # 128-token prompt
+        return eng, eng.run_to_completion()
+
+    eng, outs = run(11)
+    assert eng.trace.preemptions() == [(3, "B")]
+    s = next(s for s in eng.trace if s.step > 3 and s.num_computed_before.get("B") == 64)
+    assert s.num_computed_before["B"] + s.num_scheduled_tokens["B"] == 128  # the chunk finishes the prompt ...
+    assert s.inputs["discard_mask"][s.inputs["req_ids"].index("B")] is True  # ... and its token is discarded
+    _, ref = run(64)
+    assert {k: o.outputs[0].token_ids for k, o in outs.items()} == {k: o.outputs[0].token_ids for k, o in ref.items()}
+
+
+def test_course_links_between_notebooks_resolve():
+    # 10_faq linked 08's section 6 by an old title; every "NN_name.ipynb#anchor" link must name a heading of the
+    # target notebook (JupyterLab's anchors: the heading's text, backticks dropped, spaces as "-").
+    import json
+    import re
+    from pathlib import Path
+
+    nbdir = Path(__file__).resolve().parents[1] / "notebooks"
+    heads, links = {}, []
+    for f in sorted(nbdir.glob("*.ipynb")):
+        cells = [c for c in json.loads(f.read_text())["cells"] if c["cell_type"] == "markdown"]
+        text = "\n".join("".join(c["source"]) for c in cells)
+        heads[f.name] = {re.sub("`", "", m).strip().replace(" ", "-") for m in re.findall(r"^#+\s+(.*)$", text, re.M)}
+        links += [(f.name, t, a) for t, a in re.findall(r"\]\((\d\d_\w+\.ipynb)(?:#([^)\s]+))?\)", text)]
+    assert len(links) >= 20
+    bad = [(src, t, a) for src, t, a in links if t not in heads or (a and a not in heads[t])]
+    assert bad == []
+
+
+def test_notebooks_name_the_pinned_vllm_release():
+    # The course pins vLLM 0.32.0: no notebook cites another release as the one it describes.
+    from pathlib import Path
+
+    for f in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
+        assert "0.33" not in f.read_text(), f.name
