@@ -24,7 +24,9 @@ class CachedRequestData:
     """Requests the runner already holds state for: only what changed since the last step.
 
     ``resumed_req_ids`` are requests coming back after preemption: for them ``new_block_ids`` is the *whole*
-    new block table and ``all_token_ids`` carries prompt + outputs so far (vLLM sends the same).
+    new block table. ``all_token_ids`` carries prompt + outputs so far for every request the model runner did not
+    see in the previous step (a resumed one, or one that skipped a step), and only under the V1 model runner
+    (vLLM 0.32 sends the same; under V2 a resumed request comes as a ``NewRequestData`` instead).
     """
 
     req_ids: List[str] = field(default_factory=list)
