@@ -283,7 +283,8 @@ def test_v2_sends_a_resumed_request_as_new_with_all_its_tokens_v1_as_resumed():
     assert c1.all_token_ids == {"B": all_b} and c1.num_computed_tokens == [32]
     new = so2[6].scheduled_new_reqs
     assert [n.req_id for n in new] == ["B"] and so2[6].scheduled_cached_reqs.req_ids == []
-    assert new[0].prompt_token_ids == all_b and new[0].num_computed_tokens == 32 and len(new[0].block_ids) == 3
+    assert new[0].prefill_token_ids == all_b and new[0].prompt_token_ids == prompt(30, 200)
+    assert new[0].num_computed_tokens == 32 and len(new[0].block_ids) == 3
     assert v1.tokens == v2.tokens
 
 

@@ -10,13 +10,22 @@ from minivllm.sampling_params import SamplingParams
 
 @dataclass
 class NewRequestData:
-    """A request the model runner has not seen (or must rebuild): sent with its full prompt and block table."""
+    """A request the model runner has not seen (or must rebuild): sent with its full prompt and block table.
+
+    ``prefill_token_ids`` (Model Runner V2 only, as in vLLM 0.32): every token the runner must know, i.e. the
+    prompt plus the outputs so far when a preempted request resumes as new; ``None`` under the V1 runner.
+    """
 
     req_id: str
     prompt_token_ids: List[int]
     sampling_params: SamplingParams
     block_ids: List[int]
     num_computed_tokens: int
+    prefill_token_ids: Optional[List[int]] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass

@@ -309,10 +309,11 @@ class Scheduler:
             scheduled_new_reqs=[
                 NewRequestData(
                     r.request_id,
-                    list(r.all_token_ids),
+                    list(r.prompt_token_ids),
                     r.sampling_params,
                     new_block_ids[r.request_id],
                     r.num_computed_tokens,
+                    list(r.all_token_ids) if self.use_v2_model_runner else None,
                 )
                 for r in new_reqs
             ],
