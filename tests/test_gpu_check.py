@@ -43,6 +43,20 @@ def test_dry_run_writes_passing_results(tmp_path):
     assert set(r["section_seconds"]) == {name for name, _ in gpu_check.SECTIONS}
 
 
+def test_sections_in_child_processes_are_merged(tmp_path):
+    # What a GPU run does by default: one process per section, results merged into one file.
+    out = tmp_path / "gpu_check.json"
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    proc = subprocess.run([sys.executable, "-m", "minivllm.bench.gpu_check", "--dry-run", "--isolate", "yes",
+                           "--sections", "env,limits", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["isolated"] is True and r["errors"] == {} and set(r["section_seconds"]) == {"env", "limits"}
+    assert r["env"]["device"] == "cpu" and r["limits"]["copy_bandwidth_bytes_s"] > 0
+    assert not list(tmp_path.glob("gpu_check.json.*"))  # the children's files are merged and removed
+
+
 def test_smollm2_shape_has_135m_parameters():
     assert num_params(SMOLLM2_135M) == pytest.approx(134.5e6, rel=0.01)
 

@@ -81,13 +81,14 @@ def _load(a):
     if a.model == "tiny":
         return build_tiny_model(dtype=dtype).to(device), None
     model = load_model(a.model, dtype=dtype, device=device)
-    return model, None if "vllm" not in a.peer_set else _tokenizer(model)
+    return model, None if "vllm" not in a.peer_set else _tokenizer(a.model)
 
 
-def _tokenizer(model):
+def _tokenizer(path):
+    from minivllm.model.loader import default_model_path
     from minivllm.model.tokenizer import load_tokenizer
 
-    return load_tokenizer(model.model_path)
+    return load_tokenizer(path or default_model_path())
 
 
 def _engine(model, a, prefix_caching: bool):

@@ -78,7 +78,9 @@ def build_hf_random_model(shape: Dict, seed: int = 0, dtype: torch.dtype = torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     kw = dict(shape)
-    config = LlamaConfig(**kw, bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    # transformers 5's spelling of the RoPE base (as minivllm.bench.hf_peer writes it).
+    rope = {"rope_type": "default", "rope_theta": kw.pop("rope_theta")}
+    config = LlamaConfig(**kw, rope_parameters=rope, bos_token_id=None, eos_token_id=None, pad_token_id=None)
     config._attn_implementation = "sdpa"
     model = LlamaForCausalLM(config)
     randomize_(model, seed)

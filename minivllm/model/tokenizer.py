@@ -1,16 +1,14 @@
 """Tokenizer loading (transformers builds a fast tokenizer from GGUF metadata or from a model folder).
 
 Building the tokenizer from a GGUF takes about 5 s, so the result is saved under ``~/.cache/minivllm/tokenizers``
-(or ``$MINIVLLM_CACHE``) and later loads take well under a second. Nothing is downloaded.
+(or ``$MINIVLLM_CACHE``) and later loads take well under a second. Nothing is downloaded: every
+``from_pretrained`` call passes ``local_files_only=True``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
-from typing import Optional
-
-os.environ.setdefault("HF_HUB_OFFLINE", "1")  # no model hub is reachable; never try one
 
 
 def _cache_dir(model_path: str) -> str:
@@ -31,14 +29,15 @@ def load_tokenizer(model_path: str):
     if not os.path.exists(model_path):
         raise FileNotFoundError(f"tokenizer: {model_path} does not exist")
     if not model_path.endswith(".gguf"):
-        return AutoTokenizer.from_pretrained(model_path)
+        return AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     cache = _cache_dir(model_path)
     if os.path.exists(os.path.join(cache, "tokenizer.json")):
         try:
-            return AutoTokenizer.from_pretrained(cache)
+            return AutoTokenizer.from_pretrained(cache, local_files_only=True)
         except Exception:  # a broken cache is rebuilt below
             pass
-    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path))
+    tok = AutoTokenizer.from_pretrained(os.path.dirname(model_path), gguf_file=os.path.basename(model_path),
+                                        local_files_only=True)
     try:
         os.makedirs(cache, exist_ok=True)
         tok.save_pretrained(cache)
@@ -54,6 +53,3 @@ def apply_chat_template(tokenizer, messages, add_generation_prompt: bool = True)
         ids = ids["input_ids"]
     return list(ids)
 
-
-def eos_token_id(tokenizer) -> Optional[int]:
-    return getattr(tokenizer, "eos_token_id", None)

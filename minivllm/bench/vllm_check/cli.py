@@ -115,6 +115,11 @@ def main(argv: Optional[List[str]] = None) -> int:
               "./course.sh vllm-check --record", flush=True)
         return 1
     print(f"==> vLLM {recordings['vllm_version']} recorded {recordings['recorded_at']}", flush=True)
+    for m in modes:
+        if m in recordings["modes"]:
+            print(f"    {m}: {recordings['modes'][m]['how']}", flush=True)
+    if "v2_runner" in recordings.get("notes", {}):
+        print(f"    note: {recordings['notes']['v2_runner']}", flush=True)
     t1 = time.time()
     failures, skipped = check(recordings, modes, [s for s in a.only.split(",") if s] or None, strict=a.strict)
     print(f"==> minivllm replay and comparison: {time.time() - t1:.0f} s; total {time.time() - t0:.0f} s")

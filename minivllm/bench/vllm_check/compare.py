@@ -50,15 +50,18 @@ def connector_signature(calls: List[Dict[str, Any]], scheduler_side_only: bool =
                         strict: bool = True) -> List[str]:
     """The compared form of one step's connector calls: one string per call, in order, with the arguments that
     both engines define the same way. Consecutive ``save_kv_layer`` calls (one per layer) collapse into one
-    entry ``save_kv_layer*N``. Hooks only one engine has are dropped."""
+    entry ``save_kv_layer*N`` (recorded as one ``layer_hooks`` record). Hooks only one engine has are dropped."""
     out: List[str] = []
     run = 0
     for c in calls:
         name = c["call"]
-        if name not in COMMON_HOOKS or (scheduler_side_only and c.get("side") != "scheduler"):
+        if scheduler_side_only and c.get("side") != "scheduler":
             continue
-        if name == "save_kv_layer":
-            run += 1
+        if name == "layer_hooks":  # wait_for_layer_load (vLLM only) is dropped, save_kv_layer counted
+            if "save_kv_layer" in c["per_layer"]:
+                run += c["num_layers"]
+            continue
+        if name not in COMMON_HOOKS:
             continue
         if run:
             out.append(f"save_kv_layer*{run}")

@@ -20,7 +20,9 @@ A step record (one per ``schedule()`` call) holds:
   raw numbers are comparable);
 * ``sampled``: ``{req_id: [tokens]}`` the model runner returned for this step (``[]`` for a partial prefill);
 * ``finished``: ``{req_id: finish_reason}`` of requests that finished when this step's output was processed;
-* ``connector_calls``: the KV-connector hook calls from this ``schedule()`` up to the next one, in order.
+* ``connector_calls``: the KV-connector hook calls from this ``schedule()`` up to the next one, in order
+  (the calls made once per layer, ``wait_for_layer_load`` and ``save_kv_layer``, as one record
+  ``{"call": "layer_hooks", "per_layer": [hook names], "num_layers": N}``).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 MAX_STEPS = 400  # every scenario ends in well under 100 steps; a runaway loop is a bug on one side
 
+LAYER_HOOKS = ("save_kv_layer", "wait_for_layer_load")
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "request_finished")
 
@@ -72,8 +75,18 @@ class StepLog:
         for i, rec in enumerate(self.steps):
             calls = []
             for ev in self.events[bounds[i]:bounds[i + 1]]:
-                if ev.get("kind") == "connector":
-                    calls.append({k: v for k, v in ev.items() if k != "kind"})
+                if ev.get("kind") != "connector":
+                    continue
+                if ev["call"] in LAYER_HOOKS:  # called once per layer: one record for the run of layers
+                    if not calls or calls[-1]["call"] != "layer_hooks":
+                        calls.append({"call": "layer_hooks", "side": ev["side"], "per_layer": [], "num_layers": 0})
+                    rec_l = calls[-1]
+                    if ev["call"] not in rec_l["per_layer"]:
+                        rec_l["per_layer"].append(ev["call"])
+                    if ev["call"] == "save_kv_layer":
+                        rec_l["num_layers"] += 1
+                    continue
+                calls.append({k: v for k, v in ev.items() if k != "kind"})
             rec["connector_calls"] = calls
         return self.steps
 

@@ -239,11 +239,13 @@ class _ScriptedAdapter:
         return list(so.num_scheduled_tokens)
 
     def will_sample(self, rid):
+        # Right after schedule(): the step reaches the end of the known sequence (plus any output placeholders
+        # of async scheduling), as vLLM's is_prefill_chunk says on its side.
         r = self.sched.requests[rid]
-        return not r.is_prefill_chunk
+        return r.num_computed_tokens >= r.num_tokens + getattr(r, "num_output_placeholders", 0)
 
     def make_output(self, so, sampled):
-        from minivllm.core.sched.output import ModelRunnerOutput
+        from minivllm.outputs import ModelRunnerOutput
 
         ids = list(so.num_scheduled_tokens)
         return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},

@@ -375,6 +375,13 @@ QUOTES = {  # key: (module, function, text of the quoted line, lines of context 
     "preempt_to_front": ("vllm.v1.core.sched.scheduler", "Scheduler._preempt_request", "prepend_request", 0),
     "async_placeholders_added": ("vllm.v1.core.sched.async_scheduler", "AsyncScheduler._update_after_schedule",
                                  "num_output_placeholders +=", 0),
+    # Model Runner V2's seeded sampling: Gumbel noise hashed from (seed, position); a Triton kernel, so it is
+    # read from the file (function None), not imported or run.
+    "v2_gumbel_seed_position_hash": ("vllm.v1.worker.gpu.sample.gumbel", None,
+                                     "def murmur3_hash32(seed, pos, offset", 1),
+    "v1_start_load_kv_after_forward": ("vllm.v1.worker.kv_connector_model_runner_mixin",
+                                       "KVConnectorModelRunnerMixin._get_kv_connector_output",
+                                       "start_after_forward = not scheduler_output.has_sync_kv_loads", 0),
 }
 
 
@@ -382,6 +389,7 @@ def read_source_quotes():
     """vLLM's own lines the course quotes: ``{key: {file, line, function, lines: [..]}}`` (a few lines of
     context from the line that holds the searched text, as installed)."""
     import importlib
+    import importlib.util
     import inspect
 
     import vllm
@@ -389,11 +397,17 @@ def read_source_quotes():
     root = os.path.dirname(os.path.dirname(os.path.abspath(vllm.__file__)))
     quotes = {}
     for key, (module, qualname, needle, before) in QUOTES.items():
-        mod = importlib.import_module(module)
-        obj = mod
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-        lines, start = inspect.getsourcelines(obj)
+        if qualname is None:
+            source_file = importlib.util.find_spec(module).origin
+            with open(source_file) as f:
+                lines, start = f.readlines(), 1
+        else:
+            obj = importlib.import_module(module)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            obj = inspect.unwrap(obj.__func__ if isinstance(obj, staticmethod) else obj)
+            lines, start = inspect.getsourcelines(obj)
+            source_file = inspect.getsourcefile(obj)
         hit = next((i for i, ln in enumerate(lines) if needle in ln), None)
         if hit is None:
             quotes[key] = {"error": f"{needle!r} not found in {qualname}"}
@@ -406,8 +420,8 @@ def read_source_quotes():
             end += 1
             if depth <= 0 and lines[end - 1].rstrip().endswith(":"):
                 break
-        path = os.path.relpath(inspect.getsourcefile(obj), root)
-        quotes[key] = {"file": path, "line": start + hit - before, "function": qualname,
+        path = os.path.relpath(source_file, root)
+        quotes[key] = {"file": path, "line": start + hit - before, "function": qualname or "",
                        "lines": [ln.rstrip("\n") for ln in lines[hit - before:end]]}
     return quotes
 
@@ -438,6 +452,22 @@ def main(argv=None):
         "python": sys.version.split()[0],
         "modes": {},
         "source": read_source_quotes(),
+        "notes": {
+            "num_free_blocks": "vLLM's raw BlockPool.get_num_free_blocks() right after schedule(). vLLM's pool has "
+                               "num_usable_blocks + 1 blocks: block 0 is its null block, taken at start-up and "
+                               "never free, so the raw number counts usable blocks only, like minivllm's.",
+            "block_ids": "vLLM's block ids start at 1 (0 is the null block); they are recorded, not compared.",
+            "request_ids": "vLLM's engine appends a random suffix to each request id; the recording maps them "
+                           "back to the scenario's ids.",
+            "v2_runner": "Model Runner V2 itself cannot run here (x86 needs triton-cpu, which no registry we reach "
+                         "serves): the v2 modes are vLLM's scheduler with use_v2_model_runner=True. The runner's "
+                         "own semantics (a partial prefill's sample dropped by num_sampled = 0, seeded Gumbel "
+                         "sampling hashed from seed and position) are cited from the installed source "
+                         "(source.v2_gumbel_seed_position_hash), not run.",
+            "async_scheduling": "vLLM's CPU platform resolves async_scheduling to False, so the async modes are "
+                                "vLLM's AsyncScheduler driven with two steps in flight, as in vLLM's "
+                                "tests/v1/core/test_async_scheduler.py.",
+        },
     }
     t0 = time.time()
     if "v1-sync" in modes:

@@ -1,0 +1,27 @@
+"""Hidden states -> logits (vLLM: ``vllm/model_executor/layers/logits_processor.py``, ``LogitsProcessor``)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+
+from minivllm.model.layers.vocab_parallel_embedding import VocabParallelEmbedding
+from minivllm.model.packed_linear import PackedWeight
+
+
+class LogitsProcessor(nn.Module):
+    """``hidden [N, hidden_size]`` -> float32 ``logits [N, vocab_size]`` through the LM head's weight.
+
+    The model runner passes only the rows it samples from (the last scheduled token of each request), because the
+    ``hidden x vocab`` product is the single biggest matmul of a step. In bfloat16 on the CPU the head's weight is
+    packed once for oneDNN (``packed_linear``); the packed copy lives here because a tied head *is* the
+    embedding table, which is never multiplied anywhere else. No scaling or soft cap (Llama uses neither).
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        self.vocab_size = vocab_size
+        self._packed = PackedWeight()
+
+    def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
+        return self._packed.linear(hidden_states, lm_head.weight).float()

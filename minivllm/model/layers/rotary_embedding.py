@@ -1,0 +1,105 @@
+"""Rotary position embedding and its cached factory (vLLM: ``vllm/model_executor/layers/rotary_embedding/``:
+``RotaryEmbedding`` in ``base.py``, ``get_rope`` in ``__init__.py``)."""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+import torch.nn as nn
+
+from minivllm import custom_ops
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotary position embedding, half-split ("NeoX") style as in Hugging Face Llama (Su et al. 2021).
+
+    ``cos_cache`` and ``sin_cache`` (``float32 [max_position, head_dim]``, on the CPU) hold the angles of every
+    position, so a token's rotation depends only on its absolute position: a prefill chunk needs nothing from
+    earlier chunks to rotate its q/k. Both are full width so one rotation is ``x * cos + rotate_half(x) * sin``
+    (as in Hugging Face's ``apply_rotary_pos_emb``); ``sin_cache`` carries the minus sign of ``rotate_half`` in
+    its first half. vLLM keeps one ``[max_position, rotary_dim]`` cos|sin buffer of half-width tables instead.
+
+    The tables are plain attributes, not buffers: ``model.to(bfloat16)`` must not round the angles, and one
+    instance is shared by every attention layer (``get_rope``), possibly of several models on several devices,
+    so a copy per device is made on first use instead of moving the tables.
+    """
+
+    def __init__(self, head_size: int, max_position: int, base: float) -> None:
+        super().__init__()
+        # device="cpu" explicitly: a model built under ``torch.device("meta")`` still gets real tables.
+        inv_freq = 1.0 / (base ** (torch.arange(0, head_size, 2, dtype=torch.float64, device="cpu") / head_size))
+        t = torch.arange(max_position, dtype=torch.float64, device="cpu")
+        freqs = torch.outer(t, inv_freq)
+        cos, sin = freqs.cos().float(), freqs.sin().float()
+        self.head_size = head_size
+        self.max_position = max_position
+        self.base = base
+        self.cos_cache = torch.cat((cos, cos), dim=-1)
+        self.sin_cache = torch.cat((-sin, sin), dim=-1)
+        self._tables: Dict[torch.device, Tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _angles(self, positions: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        # Gathered per layer, as vLLM's ``forward_native`` does: [T, 1, head_size] each, broadcast over heads.
+        dev = positions.device
+        if dev not in self._tables:
+            self._tables[dev] = (self.cos_cache.to(dev), self.sin_cache.to(dev))
+        cos, sin = self._tables[dev]
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+
+    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x [T, heads, head_size]`` by the angles of ``positions [T]`` (q and k heads may be stacked).
+
+        In bfloat16 on the CPU this rotates ``x`` in place with one kernel (``custom_ops.rotary_embedding``,
+        bit-identical) and returns it; otherwise it returns a new tensor.
+        """
+        if custom_ops.usable(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
+            custom_ops.rotary_embedding(positions, x, x.shape[1], self.cos_cache, self.sin_cache)
+            return x
+        cos, sin = self._angles(positions)
+        return _rotate(x, cos, sin)
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``; returns new tensors.
+
+        vLLM's ``forward`` takes the flat ``[T, H * D]`` q and k; here they come with their head dimension.
+        """
+        cos, sin = self._angles(positions)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # Bit-identical to cat(x1*cos - x2*sin, x2*cos + x1*sin) in float32: x2*(-sin) == -(x2*sin) exactly.
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    return (xf * cos + torch.cat((x2, x1), dim=-1) * sin).to(x.dtype)
+
+
+_ROPE_DICT: Dict[Tuple, RotaryEmbedding] = {}
+
+
+def get_rope(head_size: int, max_position: int, base: float, is_neox_style: bool = True) -> RotaryEmbedding:
+    """The ``RotaryEmbedding`` for these parameters, built once per process and shared by every caller.
+
+    Every attention layer asks for its RoPE here, so the 30 layers of a model (and equal models) share one
+    ``[max_position, head_size]`` pair of tables (vLLM's ``get_rope`` keeps the same ``_ROPE_DICT`` cache).
+
+    Args:
+        head_size: dimensions per head that are rotated (all of them: no partial rotary factor here).
+        max_position: positions ``0 .. max_position - 1`` have angles.
+        base: ``rope_theta``.
+        is_neox_style: half-split pairs (``i`` with ``i + head_size / 2``), as Hugging Face Llama; the
+            interleaved GPT-J style (``False``) is not implemented.
+
+    Raises:
+        ValueError: for ``is_neox_style=False``, an odd ``head_size`` or a non-positive size.
+    """
+    if not is_neox_style:
+        raise ValueError("get_rope: is_neox_style=False (interleaved GPT-J pairs) is not implemented")
+    if head_size < 2 or head_size % 2 or max_position < 1:
+        raise ValueError(f"get_rope: head_size must be even and >= 2 and max_position >= 1, got {head_size}, "
+                         f"{max_position}")
+    key = (head_size, max_position, float(base), is_neox_style)
+    if key not in _ROPE_DICT:
+        _ROPE_DICT[key] = RotaryEmbedding(head_size, max_position, base)
+    return _ROPE_DICT[key]
