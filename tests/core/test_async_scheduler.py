@@ -326,3 +326,35 @@ def test_the_switches_are_validated():
         SchedulerConfig(async_scheduling=1).verify()  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="scheduler_reserve_full_isl"):
         SchedulerConfig(scheduler_reserve_full_isl="yes").verify()  # type: ignore[arg-type]
+
+
+def test_async_reset_prefix_cache_drops_the_output_in_flight_of_a_request_resumed_in_the_same_step():
+    # reset_prefix_cache(reset_running_requests=True) preempts A while step 1 is in flight; the next step resumes
+    # A at once (all 21 tokens recomputed: the cache was reset). Step 1's token (31) is dropped, not delivered:
+    # step 2 samples that position again (vLLM: drop_stale_output=True).
+    sched = make_scheduler(async_scheduling=True)
+    d = Driver(sched, 2)
+    a = d.add("A", prompt(20, 100), [30, 31, 32, 33, 34], max_tokens=4)
+    d.schedule()
+    d.schedule()
+    d.process()
+    assert sched.reset_prefix_cache(reset_running_requests=True)
+    assert (a.status, a.num_stale_output_tokens, a.drop_stale_output) == (RequestStatus.PREEMPTED, 1, True)
+    so2 = d.schedule()
+    assert so2.num_scheduled_tokens == {"A": 21} and so2.preempted_req_ids == {"A"}
+    assert so2.scheduled_cached_reqs.resumed_req_ids == {"A"} and so2.scheduled_cached_reqs.num_computed_tokens == [0]
+    assert d.process() == [] and a.output_token_ids == [30]
+    d.run()
+    assert d.schedules == [{"A": 20}, {"A": 1}, {"A": 21}, {"A": 1}, {"A": 1}, {}]
+    assert d.tokens == {"A": [30, 32, 33, 34]} and d.finish_reasons() == {"A": "length"}
+
+
+def test_reset_prefix_cache_refuses_while_a_deferred_free_is_pending():
+    sched = make_scheduler(async_scheduling=True, connector=_Connector())
+    d = Driver(sched, 2)
+    d.add("A", prompt(20, 100), [30, 31, 32], max_tokens=3)
+    d.schedule()
+    d.schedule()
+    with pytest.raises(RuntimeError, match="still written by a step in flight"):
+        sched.reset_prefix_cache(reset_running_requests=True)
+    assert [r.request_id for r in sched.running] == ["A"] and sched.requests["A"].status == RequestStatus.RUNNING
