@@ -34,6 +34,8 @@ from typing import Optional
 
 import torch
 
+from minivllm import envs
+
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp",
            "torch_bindings.cpp"]
@@ -45,8 +47,8 @@ _state: dict = {"loaded": None, "error": None}
 
 
 def enabled() -> bool:
-    """False when ``MINIVLLM_CPU_KERNELS=0`` is set."""
-    return os.environ.get("MINIVLLM_CPU_KERNELS", "1") != "0"
+    """False when ``MINIVLLM_CPU_KERNELS=0`` is set (``minivllm.envs``)."""
+    return envs.MINIVLLM_CPU_KERNELS
 
 
 def _cpu_id() -> str:

@@ -3,38 +3,15 @@
 import torch
 import torch.nn.functional as F
 
-from minivllm.attention.paged_attention import (
-    AttentionMetadata,
-    chunk_causal_mask,
-    compute_slot_mapping,
-    paged_attention,
-    reference_paged_attention,
-    write_kv_cache,
-)
+from minivllm.attention.backends.reference import reference_paged_attention
+from minivllm.attention.backends.torch_sdpa import TorchSDPAImpl, TorchSDPAMetadataBuilder
+from minivllm.attention.paged_attention import chunk_causal_mask, write_kv_cache
+from minivllm.worker.block_table import compute_slot_mapping, create_common_attn_metadata
 
 
-def _metadata(block_tables, computed, qlens, block_size):
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    positions, slots = [], []
-    for bt, c, q in zip(block_tables, computed, qlens):
-        pos = list(range(c, c + q))
-        positions += pos
-        slots += compute_slot_mapping(bt, pos, block_size)
-    width = max(len(b) for b in block_tables)
-    bt = torch.tensor([b + [0] * (width - len(b)) for b in block_tables])
-    seq = [c + q for c, q in zip(computed, qlens)]
-    md = AttentionMetadata(torch.tensor(qsl), torch.tensor(seq), torch.tensor(computed), bt, torch.tensor(slots),
-                           torch.tensor(positions), block_size, qlens, seq, computed, qsl[:-1],
-                           [i for i, q in enumerate(qlens) if q == 1], [i for i, q in enumerate(qlens) if q > 1])
-    if md.decode_reqs:
-        dl = [seq[i] for i in md.decode_reqs]
-        nblk = -(-max(dl) // block_size)
-        md.decode_token_idx = torch.tensor([qsl[i] for i in md.decode_reqs])
-        md.decode_block_table = bt[md.decode_reqs, :nblk]
-        md.decode_key_mask = (torch.arange(nblk * block_size)[None] >= torch.tensor(dl)[:, None])[:, None, None, :]
-    return md
+def _metadata(block_tables, computed, qlens, block_size, kv_heads=2, d=16):
+    cm = create_common_attn_metadata(block_tables, computed, qlens, block_size)
+    return TorchSDPAMetadataBuilder(block_size, 1, kv_heads, d, torch.float32, torch.device("cpu")).build(cm)
 
 
 def test_slot_mapping_formula():
@@ -68,5 +45,19 @@ def test_fast_path_equals_reference_on_mixed_batch():
     q, k, v = torch.randn(t, heads, d), torch.randn(t, kv_heads, d), torch.randn(t, kv_heads, d)
     write_kv_cache(k, v, cache, md.slot_mapping)
     ref = reference_paged_attention(q, cache, md, d ** -0.5)
-    fast = paged_attention(q, k, v, cache, md, d ** -0.5)
+    fast = TorchSDPAImpl(heads, d, d ** -0.5, kv_heads).forward(q, k, v, cache, md)
     assert torch.allclose(ref, fast, atol=1e-5)
+
+
+def test_pure_decode_step_in_batch_order_equals_reference():
+    # Decode requests whose lengths are not sorted: the builder must keep batch order for a single group, since the
+    # pure-decode path maps query row i to request i.
+    torch.manual_seed(1)
+    bs, heads, kv_heads, d = 4, 6, 2, 16
+    cache = torch.randn(2, 24, bs, kv_heads, d)
+    tables, computed = [[3, 17, 5, 9, 1, 2, 4], [20, 21, 22]], [25, 9]
+    md = _metadata(tables, computed, [1, 1], bs)
+    assert len(md.decode_groups) == 1 and not md.prefill_reqs
+    q, k, v = torch.randn(2, heads, d), torch.randn(2, kv_heads, d), torch.randn(2, kv_heads, d)
+    fast = TorchSDPAImpl(heads, d, d ** -0.5, kv_heads).forward(q, k, v, cache, md)
+    assert torch.allclose(reference_paged_attention(q, cache, md, d ** -0.5), fast, atol=1e-5)

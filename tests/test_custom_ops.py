@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLMEngine, SamplingParams, custom_ops
-from minivllm.attention.paged_attention import AttentionMetadata, reference_paged_attention
+from minivllm.attention.backends.reference import ReferenceAttentionMetadataBuilder, reference_paged_attention
+from minivllm.worker.block_table import create_common_attn_metadata
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding, _rotate
 from minivllm.model.loader import build_tiny_model
@@ -37,6 +38,12 @@ def test_engine_falls_back_when_the_kernels_cannot_be_built(monkeypatch):
     assert not called and not custom_ops.usable(torch.zeros(1, dtype=torch.bfloat16))
 
 
+def _reference_metadata(tables, ctxs, qlens, block_size):
+    """The REFERENCE backend's metadata of requests with block tables ``tables`` (rows padded alike)."""
+    cm = create_common_attn_metadata(tables, ctxs, qlens, block_size)
+    return ReferenceAttentionMetadataBuilder(block_size, 1, 1, 1, torch.float32, torch.device("cpu")).build(cm)
+
+
 def _decode_case(g, dtype, lens, heads, kv_heads, head_dim, block_size, num_blocks=64, extra_rows=0):
     """A cache of random blocks and one decode query per request, the requests' blocks scattered."""
     cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
@@ -57,8 +64,7 @@ def _reference(query, cache, tables, lens, rows, block_size, scale):
     """reference_paged_attention on the decode rows only."""
     q = query[rows]
     n = len(lens)
-    md = AttentionMetadata(torch.arange(n + 1), torch.tensor(lens), torch.tensor(lens) - 1, tables, None, None,
-                           block_size, [1] * n, list(lens), [x - 1 for x in lens], list(range(n)))
+    md = _reference_metadata(tables.tolist(), [x - 1 for x in lens], [1] * n, block_size)
     return reference_paged_attention(q, cache, md, scale)
 
 
@@ -249,9 +255,7 @@ def _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size):
     for q in qlens:
         qsl.append(qsl[-1] + q)
     query = torch.randn(qsl[-1], heads, head_dim, generator=g).to(torch.bfloat16)
-    seq = [q + c for q, c in zip(qlens, ctxs)]
-    md = AttentionMetadata(torch.tensor(qsl), torch.tensor(seq), torch.tensor(ctxs), torch.tensor(tables), None, None,
-                           block_size, list(qlens), seq, list(ctxs), qsl[:-1], [], list(range(len(qlens))))
+    md = _reference_metadata(tables, list(ctxs), list(qlens), block_size)
     return cache, md, query
 
 

@@ -403,7 +403,7 @@ def test_one_request_metadata_validates():
     with pytest.raises(ValueError, match="num_new must be >= 1"):
         ex.one_request_metadata([0], num_computed=0, num_new=0, block_size=4)
     md = ex.one_request_metadata([5, 2], num_computed=3, num_new=2, block_size=4)
-    assert md.slot_mapping.tolist() == [23, 8] and md.positions.tolist() == [3, 4] and md.seq_lens_list == [5]
+    assert md.slot_mapping.tolist() == [23, 8] and md.positions.tolist() == [3, 4] and md.seq_lens_cpu == [5]
 
 
 def test_compare_tensors_messages():

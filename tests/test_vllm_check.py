@@ -132,9 +132,23 @@ def test_modes_minivllm_lacks_are_skipped_and_fail_only_when_required(mode, caps
     assert cli.main(["--modes", mode, "--require-all-modes"]) == 1
 
 
+def _as_minivllm(run):
+    """vLLM's run with minivllm's block numbering (vLLM's block b is minivllm's b - 1)."""
+    run = copy.deepcopy(run)
+    for st in run["steps"]:
+        st["new_block_ids"] = {r: [[b - 1 for b in g] for g in gs] for r, gs in st["new_block_ids"].items()}
+        for c in st["connector_calls"]:
+            if c["call"] == "update_state_after_alloc":
+                c["block_ids"] = [[b - 1 for b in g] for g in c["block_ids"]]
+            elif c["call"] == "request_finished":
+                c["block_ids"] = [b - 1 for b in c["block_ids"]]
+    return run
+
+
 def test_comparison_reports_the_first_differing_step():
     vrun = RECORDINGS["modes"]["v1-sync-scripted"]["scenarios"]["two_victims_one_step"]
-    mine = copy.deepcopy(vrun)
+    assert not compare.compare_run(vrun, copy.deepcopy(vrun), live=False)[0]  # block ids are shifted by one
+    mine = _as_minivllm(vrun)
     assert compare.compare_run(vrun, mine, live=False)[0]
     mine["steps"][2]["preempted"] = ["C"]
     mine["steps"][3]["waiting"] = ["X"]
@@ -142,15 +156,24 @@ def test_comparison_reports_the_first_differing_step():
     assert not ok
     assert report.startswith("first difference at step 2")
     assert '≠ preempted' in report and '["C", "B"]' in report
-    mine = copy.deepcopy(vrun)
+    mine = _as_minivllm(vrun)
     mine["steps"][0]["connector_calls"] = mine["steps"][0]["connector_calls"][1:]
     ok, report = compare.compare_run(vrun, mine, live=False)
     assert not ok and "first difference at step 0" in report and "connector_calls" in report
 
 
-def test_known_difference_is_still_real():
+def test_known_differences_are_still_real():
     """Each excused difference must still exist: once minivllm behaves as vLLM, drop it from KNOWN_DIFFERENCES."""
-    assert set(compare.KNOWN_DIFFERENCES) == {"start_load_kv_after_forward"}
+    assert set(compare.KNOWN_DIFFERENCES) == {"start_load_kv_after_forward", "uncached_blocks_prepended_in_order"}
+    name = "preempt_youngest_recompute"
+    vrun = RECORDINGS["modes"]["v1-sync-scripted"]["scenarios"][name]
+    resume = next(c for s in vrun["steps"] if s["resumed"] for c in s["connector_calls"]
+                  if c["call"] == "update_state_after_alloc")
+    assert resume["block_ids"] == [[5, 2, 1]]  # vLLM: A's blocks, freed last first, are reused in that order
+    ok, report = compare.compare_run(vrun, minivllm_replay.replay(SCENARIOS[name], "v1-sync-scripted"), live=False,
+                                     strict=True)
+    assert not ok and "blocks=[4, 1, 0]" in report, "minivllm now matches: remove the entry from KNOWN_DIFFERENCES"
+
     vrun = RECORDINGS["modes"]["v1-sync"]["scenarios"]["connector_one_request"]
     vsig = compare.connector_signature(vrun["steps"][0]["connector_calls"])
     assert vsig.index("start_load_kv") == vsig.index("save_kv_layer*30") + 1  # vLLM: after the forward pass

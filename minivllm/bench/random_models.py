@@ -92,10 +92,9 @@ def build_hf_random_model(shape: Dict, seed: int = 0, dtype: torch.dtype = torch
 def save_and_load(hf_model, folder: str, dtype: torch.dtype = torch.float32, device="cpu"):
     """``hf_model.save_pretrained(folder)`` (safetensors), then minivllm's ``load_model(folder)``.
 
-    transformers 5 writes the RoPE base inside ``config.json``'s ``rope_parameters``; minivllm's
-    ``read_hf_folder`` (``minivllm/model/loader.py``) reads only the top-level ``rope_theta`` key of
-    transformers 4 and would fall back to 10000. The key is added to the saved ``config.json`` before loading,
-    and the loaded value is checked.
+    transformers 5 writes the RoPE base inside ``config.json``'s ``rope_parameters``, transformers 4 at the top
+    level; a loader that read only the latter would silently use 10000 and every token after the first few would
+    differ. The loaded value is checked against the saved one.
 
     Raises:
         RuntimeError: if minivllm's model does not end up with the Hugging Face model's RoPE theta.
@@ -103,16 +102,12 @@ def save_and_load(hf_model, folder: str, dtype: torch.dtype = torch.float32, dev
     from minivllm.model.loader import load_model
 
     hf_model.save_pretrained(folder, safe_serialization=True)
-    path = os.path.join(folder, "config.json")
-    with open(path) as f:
+    with open(os.path.join(folder, "config.json")) as f:
         cfg = json.load(f)
     theta = (cfg.get("rope_parameters") or {}).get("rope_theta", cfg.get("rope_theta"))
-    cfg.setdefault("rope_theta", theta)
-    with open(path, "w") as f:
-        json.dump(cfg, f, indent=2)
     model = load_model(folder, dtype=dtype, device=device)
     if theta is not None and abs(model.config.rope_theta - float(theta)) > 1e-6:
-        raise RuntimeError(f"minivllm loaded rope_theta={model.config.rope_theta}, the HF model has {theta}")
+        raise RuntimeError(f"minivllm loaded rope_theta={model.config.rope_theta}, config.json has {theta}")
     return model
 
 

@@ -84,7 +84,9 @@ class LLMEngine:
         load_format: ``"auto"`` (from the model), ``"gguf"``, ``"safetensors"`` or ``"dummy"`` (random weights of
             the model's architecture), as vLLM's ``LoadConfig.load_format``.
         kv_connector: a ``KVConnectorBase`` instance, or ``None``.
-        attention_backend: ``"sdpa"`` (default) or ``"reference"``.
+        attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
+            ``"CPU_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
+        enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
         record_trace: keep a ``SchedulerTrace`` of every step in ``self.trace``.
         record_inputs: also keep each step's flattened batch (positions, slot mapping, ...) in the trace.
 
@@ -112,7 +114,8 @@ class LLMEngine:
         seed: int = 0,
         load_format: str = "auto",
         kv_connector=None,
-        attention_backend: str = "sdpa",
+        attention_backend: Optional[str] = None,
+        enforce_eager: bool = False,
         record_trace: bool = False,
         record_inputs: bool = False,
     ) -> None:
@@ -133,7 +136,6 @@ class LLMEngine:
             self.model = get_model(model_config, load_config, dev, torch_dtype)
             if tokenizer is None and model_config.tokenizer is not None:
                 tokenizer = load_tokenizer(model_config.tokenizer)
-        self.model.set_attention_backend(attention_backend)
         self.tokenizer = tokenizer
         self.model_config = self.model.config
         self.dtype = next(self.model.parameters()).dtype
@@ -176,7 +178,8 @@ class LLMEngine:
 
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, block_size, max_model_len, enable_prefix_caching)
         self.scheduler = Scheduler(self.scheduler_config, self.kv_cache_manager, kv_connector)
-        self.model_runner = ModelRunner(self.model, num_gpu_blocks, block_size, dev, seed, kv_connector)
+        self.model_runner = ModelRunner(self.model, num_gpu_blocks, block_size, dev, seed, kv_connector,
+                                        attention_backend, enforce_eager)
         self.kv_connector = kv_connector
         self._block_hasher = get_request_block_hasher(block_size) if enable_prefix_caching or kv_connector else None
         self._detok: Dict[str, IncrementalDetokenizer] = {}

@@ -9,17 +9,13 @@ fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` s
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence, Type
 
 import torch
 import torch.nn as nn
 
-from minivllm.attention.paged_attention import (
-    AttentionMetadata,
-    paged_attention,
-    reference_paged_attention,
-    write_kv_cache,
-)
+from minivllm.attention.backend import AttentionBackend, AttentionMetadata
+from minivllm.attention.backends.torch_sdpa import TorchSDPABackend
 from minivllm.model.config import LlamaConfig
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
@@ -51,11 +47,12 @@ class LlamaMLP(nn.Module):
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention over the paged KV cache.
 
-    ``backend`` is ``"sdpa"`` (fast, default) or ``"reference"`` (a per-request loop, for reading and testing);
-    see ``minivllm.attention.paged_attention``.
+    ``backend`` is an attention backend class (``minivllm.attention.backends``); the layer holds its
+    implementation (``self.impl``), as vLLM's ``Attention`` layer does. The model runner picks the backend once
+    (``minivllm.attention.selector``) and hands it to every layer with ``set_attention_backend``.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
@@ -65,8 +62,12 @@ class LlamaAttention(nn.Module):
         self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
         self.o_proj = RowParallelLinear(self.q_size, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
-        self.backend = backend
+        self.set_attention_backend(backend)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta)
+
+    def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
+        """Attend through ``backend``'s implementation (vLLM builds ``Attention.impl`` from the selected backend)."""
+        self.impl = backend.get_impl_cls()(self.num_heads, self.head_dim, self.scale, self.num_kv_heads)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: torch.Tensor,
                 md: AttentionMetadata) -> torch.Tensor:
@@ -77,11 +78,7 @@ class LlamaAttention(nn.Module):
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
         q, k = self.rotary_emb.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
-        write_kv_cache(k, v, kv_cache, md.slot_mapping)
-        if self.backend == "reference":
-            o = reference_paged_attention(q, kv_cache, md, self.scale)
-        else:
-            o = paged_attention(q, k, v, kv_cache, md, self.scale)
+        o = self.impl.forward(q, k, v, kv_cache, md)  # writes k, v into kv_cache first
         return self.o_proj(o.reshape(t, self.q_size))
 
 
@@ -94,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
     kernel do the add and the norm. Pass ``residual=None`` for the first layer (``hidden`` is then the input).
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         # Registration order is the parameters' order, which the dummy weights are drawn in: keep it.
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -115,7 +112,7 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     """Embedding -> decoder layers -> final norm."""
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
@@ -151,9 +148,10 @@ class LlamaForCausalLM(nn.Module):
             step whose KV connector saves layer by layer.
     """
 
-    def __init__(self, config: LlamaConfig, backend: str = "sdpa") -> None:
+    def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
         self.config = config
+        self.attn_backend = backend
         self.model = LlamaModel(config, backend)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
@@ -161,16 +159,12 @@ class LlamaForCausalLM(nn.Module):
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.layer_hooks: List[LayerHook] = []
 
-    def set_attention_backend(self, backend: str) -> None:
-        """``"sdpa"`` (fast, default) or ``"reference"`` (per-request loop, for reading and testing).
-
-        Raises:
-            ValueError: for any other name.
-        """
-        if backend not in ("sdpa", "reference"):
-            raise ValueError(f"attention backend must be 'sdpa' or 'reference', got {backend!r}")
+    def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
+        """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it
+        chose: ``minivllm.attention.selector``). ``md`` in ``forward`` must then be that backend's metadata."""
+        self.attn_backend = backend
         for layer in self.model.layers:
-            layer.self_attn.backend = backend
+            layer.self_attn.set_attention_backend(backend)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches: List[torch.Tensor],
                 md: AttentionMetadata) -> torch.Tensor:

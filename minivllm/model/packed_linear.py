@@ -14,7 +14,6 @@ float32 results differ in the last bits. Set ``ENABLED = False`` (or ``MINIVLLM_
 
 from __future__ import annotations
 
-import os
 import weakref
 from typing import Optional
 
@@ -22,7 +21,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-ENABLED = os.environ.get("MINIVLLM_ONEDNN_PACKING", "1") != "0"
+from minivllm import envs
+
+ENABLED = envs.MINIVLLM_ONEDNN_PACKING
 _SUPPORTED: Optional[bool] = None
 
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import hashlib
 import os
 
+from minivllm import envs
+
 
 def _cache_dir(model_path: str) -> str:
     st = os.stat(model_path)
     key = hashlib.sha256(f"{os.path.abspath(model_path)}:{st.st_size}:{int(st.st_mtime)}".encode()).hexdigest()[:16]
-    root = os.environ.get("MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm"))
+    root = envs.MINIVLLM_CACHE
     return os.path.join(root, "tokenizers", key)
 
 

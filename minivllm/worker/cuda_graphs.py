@@ -12,9 +12,11 @@ few captured sizes:
 * the block-table width is padded to the next power of two ``NB`` (the decode attention reads ``NB * block_size``
   keys per request, masked beyond each request's ``seq_len``).
 
-Padding rows write their K/V into a *scratch block* (one extra block at the end of every layer's cache that the
-scheduler never hands out; vLLM's null block plays this role) and attend to one key, so they never touch a real
-request's cache. Graphs are captured lazily, the first time a ``(B, NB)`` pair is needed, and share one memory
+Padding rows write their K/V into the *scratch block* (``ModelRunner.scratch_block_id``: one extra block at the
+end of every layer's cache that the scheduler never hands out, where every block table's padding points; vLLM's
+null block plays this role) and attend to one key, so they never touch a real request's cache. The attention
+metadata is built by the backend's builder (``build_for_cudagraph_capture``) from the static buffers, inside the
+captured region. Graphs are captured lazily, the first time a ``(B, NB)`` pair is needed, and share one memory
 pool. Only pure-decode steps are replayed; steps with a prefill chunk, a KV connector or the reference attention
 run eagerly.
 
@@ -28,7 +30,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
-from minivllm.attention.paged_attention import AttentionMetadata
+from minivllm.attention.backend import AttentionMetadata, AttentionMetadataBuilder, CommonAttentionMetadata
 
 
 def capture_sizes(max_batch: int) -> List[int]:
@@ -52,22 +54,24 @@ class DecodeGraphRunner:
 
     Args:
         model: the ``LlamaForCausalLM``.
-        kv_caches: per-layer caches with one scratch block at index ``scratch_block`` (the last one).
-        block_size: tokens per block.
+        kv_caches: per-layer caches.
+        builder: the attention backend's metadata builder.
+        scratch_block: the block padding rows write to (never handed out by the scheduler).
         max_batch: largest decode batch to replay (larger ones run eagerly).
         max_blocks: widest block table to replay (wider ones run eagerly).
         emulate: run the padded forward eagerly instead of capturing (for CPU tests).
     """
 
-    def __init__(self, model, kv_caches: List[torch.Tensor], block_size: int, max_batch: int, max_blocks: int,
-                 emulate: bool = False) -> None:
+    def __init__(self, model, kv_caches: List[torch.Tensor], builder: AttentionMetadataBuilder, scratch_block: int,
+                 max_batch: int, max_blocks: int, emulate: bool = False) -> None:
         device = kv_caches[0].device
         if device.type != "cuda" and not emulate:
             raise ValueError(f"CUDA graphs need a CUDA device, the KV cache is on {device}")
         self.model = model
         self.kv_caches = kv_caches
-        self.block_size = block_size
-        self.scratch_block = kv_caches[0].shape[1] - 1
+        self.builder = builder
+        self.block_size = block_size = builder.block_size
+        self.scratch_block = scratch_block
         self.sizes = capture_sizes(max_batch)
         self.max_batch = self.sizes[-1]
         self.max_blocks = _next_pow2(max_blocks)
@@ -78,7 +82,6 @@ class DecodeGraphRunner:
         self.slot_mapping = torch.full((self.max_batch,), self.scratch_block * block_size, **z)
         self.seq_lens = torch.ones(self.max_batch, **z)
         self.block_table = torch.full((self.max_batch, self.max_blocks), self.scratch_block, **z)
-        self.key_pos = torch.arange(self.max_blocks * block_size, **z)
         self.rows = torch.arange(self.max_batch + 1, **z)
         self.graphs: Dict[Tuple[int, int], object] = {}
         self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}
@@ -93,18 +96,14 @@ class DecodeGraphRunner:
         return b, min(_next_pow2(num_blocks), self.max_blocks)
 
     def _metadata(self, b: int, nb: int) -> AttentionMetadata:
-        bs = self.block_size
-        seq = self.seq_lens[:b]
-        md = AttentionMetadata(
-            query_start_loc=self.rows[: b + 1], seq_lens=seq, num_computed_tokens=seq - 1,
-            block_table=self.block_table[:b, :nb], slot_mapping=self.slot_mapping[:b], positions=self.positions[:b],
-            block_size=bs, query_lens=[1] * b, seq_lens_list=[], computed_list=[], query_start_list=list(range(b)),
-            decode_reqs=list(range(b)), prefill_reqs=[],
+        # The *_cpu lists describe the captured shape only: the values change at every replay.
+        cm = CommonAttentionMetadata(
+            query_start_loc=self.rows[: b + 1], seq_lens=self.seq_lens[:b], block_table_tensor=self.block_table[:b, :nb],
+            slot_mapping=self.slot_mapping[:b], positions=self.positions[:b], query_start_loc_cpu=list(range(b + 1)),
+            seq_lens_cpu=[], num_computed_tokens_cpu=[], num_reqs=b, num_actual_tokens=b, max_query_len=1,
+            max_seq_len=nb * self.block_size,
         )
-        md.decode_token_idx = self.rows[:b]
-        md.decode_block_table = md.block_table
-        md.decode_key_mask = self.key_pos[None, : nb * bs] >= seq[:, None]
-        return md
+        return self.builder.build_for_cudagraph_capture(cm)
 
     def _forward(self, b: int, nb: int) -> torch.Tensor:
         return self.model(self.input_ids[:b], self.positions[:b], self.kv_caches, self._metadata(b, nb))
@@ -133,15 +132,15 @@ class DecodeGraphRunner:
         self.seq_lens.fill_(1)
         self.block_table.fill_(self.scratch_block)
 
-    def run(self, input_ids: torch.Tensor, md: AttentionMetadata) -> Optional[torch.Tensor]:
+    def run(self, input_ids: torch.Tensor, cm: CommonAttentionMetadata) -> Optional[torch.Tensor]:
         """Hidden states ``[R, hidden]`` of a pure-decode step, or ``None`` if this batch cannot be replayed.
 
         Args:
             input_ids: ``int64 [R]`` (one token per request).
-            md: the step's eagerly built metadata (``decode_block_table [R, nblk]`` and ``seq_lens``).
+            cm: the step's common metadata (every request has one query token).
         """
         r = input_ids.shape[0]
-        nblk = md.decode_block_table.shape[1]
+        nblk = -(-cm.max_seq_len // self.block_size)
         key = self.bucket(r, nblk)
         if key is None:
             return None
@@ -149,10 +148,10 @@ class DecodeGraphRunner:
         with torch.inference_mode():
             self._reset_padding()
             self.input_ids[:r].copy_(input_ids)
-            self.positions[:r].copy_(md.positions)
-            self.slot_mapping[:r].copy_(md.slot_mapping)
-            self.seq_lens[:r].copy_(md.seq_lens)
-            self.block_table[:r, :nblk].copy_(md.decode_block_table)
+            self.positions[:r].copy_(cm.positions)
+            self.slot_mapping[:r].copy_(cm.slot_mapping)
+            self.seq_lens[:r].copy_(cm.seq_lens)
+            self.block_table[:r, :nblk].copy_(cm.block_table_tensor[:, :nblk])
             self.num_replays += 1
             if self.emulate:
                 return self._forward(b, nb)[:r]

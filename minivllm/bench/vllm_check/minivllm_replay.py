@@ -11,7 +11,11 @@ engine's ``Scheduler`` (``schedule`` / ``update_from_output``), ``SchedulerOutpu
   ``ModelRunnerOutput``s, as on vLLM's side (a random-weight model is built only because ``LLMEngine`` needs one;
   it never runs).
 
-Modes minivllm cannot run yet (the V2 model runner, async scheduling) are reported by ``unsupported_reason``.
+Modes minivllm cannot run yet (the V2 model runner, async scheduling) are reported by ``unsupported_reason``: a
+mode runs as soon as ``LLMEngine`` accepts ``model_runner="v2"`` / ``async_scheduling=True``. For the async modes
+the engine's ``Scheduler`` is then driven as vLLM's ``AsyncScheduler`` is: ``schedule()`` for step n+1 is called
+before ``update_from_output`` of step n, and a request samples in a step when, right after ``schedule()``,
+``num_computed_tokens >= num_tokens + num_output_placeholders`` (vLLM's ``not request.is_prefill_chunk``).
 """
 
 from __future__ import annotations

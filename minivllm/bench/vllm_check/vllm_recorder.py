@@ -56,7 +56,9 @@ def _kv_transfer_config():
     return KVTransferConfig(kv_connector=CONNECTOR, kv_connector_module_path=CONNECTOR_MODULE, kv_role="kv_both")
 
 
-def _sampling_params(spec, eos_token_id):
+def _sampling_params(spec):
+    """vLLM's SamplingParams of a scenario request (EOS: the live engine takes it from the model folder's
+    tokenizer, the scripted adapter sets the scenario's with ``update_from_generation_config``)."""
     from vllm import SamplingParams
 
     s = spec["sampling"]
@@ -219,11 +221,10 @@ def record_live(scenarios, model_dir, verbose=True):
         log = driver.StepLog(rc.EVENTS)
         restore = _instrument(sched, log)
         final = {}
-        eos = sc.get("eos_token_id", 2)
 
         def add_request(spec):
             engine.add_request(spec["id"], {"prompt_token_ids": list(spec["prompt_token_ids"])},
-                               _sampling_params(spec, eos))
+                               _sampling_params(spec))
 
         def step():
             for o in engine.step():
@@ -308,7 +309,7 @@ class _ScriptedAdapter:
     def add_request(self, spec):
         from vllm.v1.request import Request
 
-        sp = _sampling_params(spec, self.eos)
+        sp = _sampling_params(spec)
         sp.update_from_generation_config({}, self.eos)
         self.t += 1.0
         self.sched.add_request(Request(request_id=spec["id"], prompt_token_ids=list(spec["prompt_token_ids"]),
@@ -351,9 +352,9 @@ def record_scripted(scenarios, modes, config_dir, verbose=True):
             rc.EVENTS.clear()
             log = driver.StepLog(rc.EVENTS)
             adapter = _ScriptedAdapter(sched, sc, log)
-            finished = {}
             driver.run_scripted(sc, adapter, 2 if async_ else 1, log)
             steps = log.finish()
+            finished = {}
             for st in steps:
                 finished.update(st.get("finished") or {})
             outputs = {}

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from minivllm.sampling_params import SamplingParams
 
@@ -76,3 +76,18 @@ class SchedulerOutput:
     @property
     def scheduled_req_ids(self) -> List[str]:
         return list(self.num_scheduled_tokens)
+
+
+def block_updates(scheduler_output: "SchedulerOutput") -> Iterator[Tuple[str, List[int], bool, int]]:
+    """The block-table changes of one ``SchedulerOutput``, request by request.
+
+    Yields ``(req_id, block_ids, replace, num_computed_tokens)``: a new or resumed request's whole block list
+    (``replace=True``: vLLM's ``add_row``), or the blocks a running request got this step (``replace=False``:
+    ``append_row``), with the request's ``num_computed_tokens`` before the step. The model runner and the offload
+    connector's scheduler side both keep block tables; both read them from here.
+    """
+    for new in scheduler_output.scheduled_new_reqs:
+        yield new.req_id, list(new.block_ids), True, new.num_computed_tokens
+    c = scheduler_output.scheduled_cached_reqs
+    for rid, blocks, ncomp in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
+        yield rid, list(blocks), rid in c.resumed_req_ids, ncomp

@@ -10,7 +10,7 @@ Notebook 01 (a Llama layer from parts, generation without a cache):
     ``check_greedy_generate``; ``split_layer_weights`` slices a fused layer into separate matrices.
 Notebook 02 (a contiguous KV cache): ``check_kv_cache``, ``check_cached_attention``.
 Notebook 03 (paged KV blocks): ``check_slot_mapping``, ``check_write_kv``, ``check_gather_kv``,
-    ``check_paged_attention``; ``one_request_metadata`` builds the ``AttentionMetadata`` of a one-request batch.
+    ``check_paged_attention``; ``one_request_metadata`` builds the attention metadata of a one-request batch.
 Notebook 04 (static versus continuous batching): ``check_static_batching``.
 """
 

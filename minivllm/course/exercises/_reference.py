@@ -2,24 +2,34 @@
 
 The checkers never compare against a second hand-written solution when the package has the real thing: an RMSNorm
 output comes from ``minivllm.model.llama.RMSNorm``, an attention output from
-``minivllm.attention.paged_attention.reference_paged_attention``, a layer output from ``LlamaDecoderLayer``.
+``minivllm.attention.backends.reference.reference_paged_attention``, a layer output from ``LlamaDecoderLayer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, Optional, Sequence
 
 import torch
 
-from minivllm.attention.paged_attention import AttentionMetadata, reference_paged_attention, write_kv_cache
+from minivllm.attention.backends.reference import reference_paged_attention
+from minivllm.attention.backends.torch_sdpa import TorchSDPAMetadata, TorchSDPAMetadataBuilder
+from minivllm.attention.paged_attention import write_kv_cache
+from minivllm.worker.block_table import create_common_attn_metadata
 from minivllm.model.llama import LlamaDecoderLayer
 
 
 def one_request_metadata(
-    block_table: Sequence[int], num_computed: int, num_new: int, block_size: int, positions: Optional[torch.Tensor] = None
-) -> AttentionMetadata:
-    """``AttentionMetadata`` for a batch of one request that computes ``num_new`` tokens after ``num_computed``.
+    block_table: Sequence[int], num_computed: int, num_new: int, block_size: int,
+    positions: Optional[torch.Tensor] = None, num_kv_heads: int = 1, head_dim: int = 1,
+) -> TorchSDPAMetadata:
+    """Attention metadata for a batch of one request that computes ``num_new`` tokens after ``num_computed``.
+
+    Built as the model runner builds it: ``create_common_attn_metadata``, then the ``TORCH_SDPA`` backend's
+    builder (the backend of a float32 model on the CPU). Any backend's metadata carries ``block_table``,
+    ``slot_mapping``, ``positions``, ``query_start_loc`` and ``seq_lens``, and ``reference_paged_attention`` reads
+    any of them.
 
     Args:
         block_table: the request's block ids, in position order; must cover ``num_computed + num_new`` tokens.
@@ -27,6 +37,8 @@ def one_request_metadata(
         num_new: tokens computed in this step (the query length), >= 1.
         block_size: tokens per block.
         positions: ``int64 [num_new]``; default ``num_computed .. num_computed + num_new - 1``.
+        num_kv_heads, head_dim: the attention layer's, needed only when a decode step (``num_new == 1``) runs
+            through the model's layers.
 
     Raises:
         ValueError: if ``num_new < 1``, ``num_computed < 0`` or the block table is too short.
@@ -40,24 +52,11 @@ def one_request_metadata(
         raise ValueError(
             f"block_table has {len(block_table)} blocks of {block_size} tokens, too few for {seq_len} tokens"
         )
-    table = list(int(b) for b in block_table)
-    pos = torch.arange(num_computed, seq_len) if positions is None else positions
-    slots = [table[p // block_size] * block_size + p % block_size for p in range(num_computed, seq_len)]
-    return AttentionMetadata(
-        query_start_loc=torch.tensor([0, num_new]),
-        seq_lens=torch.tensor([seq_len]),
-        num_computed_tokens=torch.tensor([num_computed]),
-        block_table=torch.tensor([table]),
-        slot_mapping=torch.tensor(slots),
-        positions=pos,
-        block_size=block_size,
-        query_lens=[num_new],
-        seq_lens_list=[seq_len],
-        computed_list=[num_computed],
-        query_start_list=[0],
-        decode_reqs=[0] if num_new == 1 else [],
-        prefill_reqs=[] if num_new == 1 else [0],
-    )
+    cm = create_common_attn_metadata([[int(b) for b in block_table]], [num_computed], [num_new], block_size)
+    if positions is not None:
+        cm = dataclasses.replace(cm, positions=positions)
+    builder = TorchSDPAMetadataBuilder(block_size, 1, num_kv_heads, head_dim, torch.float32, torch.device("cpu"))
+    return builder.build(cm)
 
 
 def contiguous_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_computed: int = 0) -> torch.Tensor:
@@ -86,7 +85,8 @@ def run_reference_layer(layer: LlamaDecoderLayer, x: torch.Tensor, positions: to
     bs = 16
     nblk = -(-t // bs)
     cache = torch.zeros(2, nblk, bs, attn.num_kv_heads, attn.head_dim, dtype=x.dtype)
-    md = one_request_metadata(list(range(nblk)), 0, t, bs, positions=positions)
+    md = one_request_metadata(list(range(nblk)), 0, t, bs, positions=positions, num_kv_heads=attn.num_kv_heads,
+                              head_dim=attn.head_dim)
     with torch.no_grad():
         out, residual = layer(positions, x.clone(), cache, md)  # the kernels may write their inputs in place
         return out + residual

@@ -13,7 +13,9 @@ from typing import Callable, List
 
 import torch
 
-from minivllm.attention.paged_attention import compute_slot_mapping, gather_kv, reference_paged_attention, write_kv_cache
+from minivllm.attention.backends.reference import reference_paged_attention
+from minivllm.attention.paged_attention import gather_kv, write_kv_cache
+from minivllm.worker.block_table import compute_slot_mapping
 from minivllm.course.exercises._harness import Variant, call, check_cases, checker, compare_tensors, fail
 from minivllm.course.exercises._reference import attention_ref, one_request_metadata
 
@@ -36,7 +38,7 @@ def check_slot_mapping(fn: Callable) -> int:
 
     ``slots[i] = block_table[positions[i] // block_size] * block_size + positions[i] % block_size``: the row of
     the flattened ``[num_blocks * block_size]`` cache where the token at ``positions[i]`` lives. Expected:
-    ``minivllm.attention.paged_attention.compute_slot_mapping``.
+    ``minivllm.worker.block_table.compute_slot_mapping``.
 
     Raises:
         ExerciseFailed: naming the failing input, expected and actual slots, and a hint for known mistakes.
@@ -181,7 +183,7 @@ def check_paged_attention(fn: Callable) -> int:
     num_computed + T - 1``. The keys and values of all ``num_computed + T`` tokens are already in ``kv_cache``
     (this step's were written first, as vLLM does), found through ``block_table`` (int64 tensor). Query row ``i``
     sees keys ``0 .. num_computed + i``; scale ``1/sqrt(head_dim)``; grouped-query heads as in notebook 01.
-    Expected: ``minivllm.attention.paged_attention.reference_paged_attention``.
+    Expected: ``minivllm.attention.backends.reference.reference_paged_attention``.
 
     Raises:
         ExerciseFailed: naming the failing input, expected and actual values, and a hint for known mistakes.

@@ -21,6 +21,7 @@ import torch
 from minivllm.core.kv_cache_utils import BlockHash
 from minivllm.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
 from minivllm.distributed.kv_transfer.kv_store import KVBlockStore
+from minivllm.core.sched.output import block_updates
 
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_utils import KVCacheBlock
@@ -222,15 +223,12 @@ class OffloadConnector(KVConnectorBase):
             self._loading.add(rid)
 
     def _mirror_block_tables(self, so: "SchedulerOutput") -> Dict[str, int]:
-        # Keep each request's block table as the model runner does; returns num_computed_tokens before the step.
+        # Keep each request's block table as the model runner does (the same block_updates); returns
+        # num_computed_tokens before the step.
         before: Dict[str, int] = {}
-        for new in so.scheduled_new_reqs:
-            self._block_ids[new.req_id] = list(new.block_ids)
-            before[new.req_id] = new.num_computed_tokens
-        c = so.scheduled_cached_reqs
-        for rid, blocks, ncomp in zip(c.req_ids, c.new_block_ids, c.num_computed_tokens):
-            if rid in c.resumed_req_ids:
-                self._block_ids[rid] = list(blocks)  # a resumed request has a whole new block table
+        for rid, blocks, replace, ncomp in block_updates(so):
+            if replace:
+                self._block_ids[rid] = blocks
             else:
                 self._block_ids.setdefault(rid, []).extend(blocks)
             before[rid] = ncomp
