@@ -25,21 +25,32 @@ def test_dry_run_writes_passing_results(tmp_path):
     r = json.loads(out.read_text())
     assert r["errors"] == {} and r["skipped"] == {} and r["correctness_passed"] is True
     assert r["gguf_imported"] is False  # the GPU machine has no gguf package
-    assert r["env"]["device"] == "cpu" and "sdpa" in r["env"]["attention_backends"]
+    assert r["env"]["device"] == "cpu" and "TORCH_SDPA" in r["env"]["attention_backends"]
+    assert r["env"]["default_backend"] == {"float32": "TORCH_SDPA", "bfloat16": "TORCH_SDPA"}  # CPU unchanged
     try:
-        import triton  # noqa: F401
+        from minivllm.attention.ops.triton_utils import interpreter_problem
     except ImportError:
-        pass
+        triton_runs = False
     else:
+        triton_runs = interpreter_problem() is None
+    if triton_runs:
         assert r["kernels"]["interpreted"] and all(c["passed"] for c in r["kernels"]["attention"])
         assert {c["dtype"] for c in r["kernels"]["attention"]} == {"float32", "float16"}
         assert any(c["segments"] > 1 for c in r["kernels"]["attention"])  # the split-context path ran
+    backends = ["TRITON_ATTN", "TORCH_SDPA", "REFERENCE"] if triton_runs else ["TORCH_SDPA", "REFERENCE"]
+    assert r["env"]["attention_backends"] == backends
     scen = {(s["backend"], s["scenario"]): s for s in r["equality"]["scenarios"]}
-    assert scen[("sdpa", "preemption")]["num_preemptions"] > 0
+    assert set(scen) == {(b, n) for b in backends for n in ("unchunked", "chunked", "preemption")}
+    assert all(scen[(b, "preemption")]["num_preemptions"] > 0 for b in backends)
     assert all(s["equal"] for s in scen.values())
     tp = r["throughput"]
-    assert tp["runs"][0]["output_tokens"] == tp["workload"]["output_tokens"]
+    assert tp["dtype"] == "float32"  # the interpreter refuses bfloat16
+    assert [(x["backend"], x["mode"]) for x in tp["runs"]] == [(b, "eager") for b in backends if b != "REFERENCE"]
+    assert all(x["output_tokens"] == tp["workload"]["output_tokens"] for x in tp["runs"])
     assert tp["transformers"][0]["output_tokens"] == tp["workload"]["output_tokens"]
+    gains = tp["gains"]["workload_output_tok_s"]
+    assert (gains["triton_over_sdpa_eager"] is not None) == triton_runs
+    assert gains["cuda_graphs_over_eager_sdpa"] is None  # no CUDA graphs on the CPU
     assert set(r["section_seconds"]) == {name for name, _ in gpu_check.SECTIONS}
 
 

@@ -23,11 +23,10 @@ from minivllm.attention.ops.triton_utils import (  # noqa: E402
     is_interpreted,
     triton_language_interpreted,
 )
-from minivllm.attention.paged_attention import (  # noqa: E402
-    AttentionMetadata,
-    reference_paged_attention,
-    write_kv_cache,
-)
+from minivllm.attention.backend import AttentionMetadata  # noqa: E402
+from minivllm.attention.backends.reference import reference_paged_attention  # noqa: E402
+from minivllm.attention.paged_attention import write_kv_cache  # noqa: E402
+from minivllm.worker.block_table import create_common_attn_metadata  # noqa: E402
 
 # How the interpreter gets switched on, reliably. TRITON_INTERPRET is read by every @triton.jit decorator, and
 # triton.language's own helpers (tl.max, tl.sum, tl.cdiv) are @triton.jit functions decorated when triton is
@@ -87,31 +86,22 @@ def make_batch(ctxs, qlens, num_heads=6, num_kv_heads=2, head_dim=64, block_size
     nblk = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(nblk) + 3
     ids = torch.randperm(num_blocks, generator=g)[: sum(nblk)].tolist()
-    block_table = torch.zeros(len(ctxs), max(nblk), dtype=torch.int64)
-    o = 0
-    for i, n in enumerate(nblk):
-        block_table[i, :n] = torch.tensor(ids[o : o + n])
+    tables, o = [], 0
+    for n in nblk:
+        tables.append(ids[o : o + n])
         o += n
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
     query = torch.randn(sum(qlens), num_heads, head_dim, generator=g).to(dtype)
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    positions = torch.cat([torch.arange(c, c + q) for c, q in zip(ctxs, qlens)])
-    md = AttentionMetadata(
-        query_start_loc=torch.tensor(qsl), seq_lens=torch.tensor(seq_lens), num_computed_tokens=torch.tensor(ctxs),
-        block_table=block_table, slot_mapping=torch.zeros(len(positions), dtype=torch.int64), positions=positions,
-        block_size=block_size, query_lens=list(qlens), seq_lens_list=seq_lens, computed_list=list(ctxs),
-        query_start_list=qsl[:-1],
-    )
+    cm = create_common_attn_metadata(tables, list(ctxs), list(qlens), block_size)
+    md = AttentionMetadata(**AttentionMetadata.common_fields(cm, block_size))
     return query, kv_cache, md
 
 
 def triton_attention(query, kv_cache, md, **kw):
     out = torch.full_like(query, float("nan"))  # any row the kernel forgets stays NaN and fails the comparison
     return ua.unified_attention(
-        query, kv_cache[0], kv_cache[1], out, md.query_start_loc, max(md.query_lens), md.seq_lens,
-        max(md.seq_lens_list), query.shape[-1] ** -0.5, md.block_table, **kw,
+        query, kv_cache[0], kv_cache[1], out, md.query_start_loc, max(md.query_lens_cpu), md.seq_lens,
+        max(md.seq_lens_cpu), query.shape[-1] ** -0.5, md.block_table, **kw,
     )
 
 

@@ -10,7 +10,8 @@ A backend is three classes, chosen once per model runner (``minivllm.attention.s
 
 Backends (``minivllm/attention/backends/``): ``REFERENCE`` (one request at a time, the one to read),
 ``TORCH_SDPA`` (batched decode matmuls and PyTorch SDPA for prefill chunks) and ``CPU_ATTN`` (minivllm's C++
-kernels, bfloat16 on the CPU). A ``TRITON_ATTN`` backend fits the same interface.
+kernels, bfloat16 on the CPU) and ``TRITON_ATTN`` (Triton kernels that read the paged cache in place; the
+default on CUDA).
 """
 
 from __future__ import annotations

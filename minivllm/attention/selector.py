@@ -12,27 +12,37 @@ from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.backends.cpu_attn import CPUAttentionBackend
 from minivllm.attention.backends.reference import ReferenceAttentionBackend
 from minivllm.attention.backends.torch_sdpa import TorchSDPABackend
+from minivllm.attention.backends.triton_attn import TritonAttentionBackend, triton_attn_unavailable
 
 BACKENDS: Dict[str, Type[AttentionBackend]] = {
-    b.get_name(): b for b in (ReferenceAttentionBackend, TorchSDPABackend, CPUAttentionBackend)
+    b.get_name(): b
+    for b in (ReferenceAttentionBackend, TorchSDPABackend, CPUAttentionBackend, TritonAttentionBackend)
 }
 
 
-def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[str] = None) -> Type[AttentionBackend]:
+def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[str] = None,
+                     head_size: Optional[int] = None) -> Type[AttentionBackend]:
     """The backend for a model on ``device`` in ``dtype``.
 
     Args:
         device, dtype: of the model and its KV cache.
-        name: ``"REFERENCE"``, ``"TORCH_SDPA"`` or ``"CPU_ATTN"`` (any case) to choose one yourself; ``None``:
-            ``CPU_ATTN`` for bfloat16 on the CPU when ``MINIVLLM_CPU_KERNELS`` is not ``0`` and the kernels build
-            (float32 stays on PyTorch: it is the exact reference compared with Hugging Face), else ``TORCH_SDPA``.
+        name: ``"REFERENCE"``, ``"TORCH_SDPA"``, ``"CPU_ATTN"`` or ``"TRITON_ATTN"`` (any case) to choose one
+            yourself; ``None``: on CUDA ``TRITON_ATTN`` when triton imports (and the head size suits its kernels),
+            (vLLM's ``vllm/platforms/cuda.py`` ``_get_backend_priorities`` puts ``FLASH_ATTN`` first and
+            ``TRITON_ATTN`` after it; minivllm has no FlashAttention backend); on the CPU ``CPU_ATTN`` for
+            bfloat16 when ``MINIVLLM_CPU_KERNELS`` is not ``0`` and the kernels build (float32 stays on PyTorch: it
+            is the exact reference compared with Hugging Face); else ``TORCH_SDPA``.
+        head_size: the model's head dimension, checked against the Triton kernels' limits (``None``: not checked).
 
     Raises:
-        ValueError: an unknown ``name``, or ``CPU_ATTN`` where its kernels cannot run (not bfloat16 on the CPU,
-            or not built).
+        ValueError: an unknown ``name``; ``CPU_ATTN`` where its kernels cannot run (not bfloat16 on the CPU, or not
+            built); ``TRITON_ATTN`` where its kernels cannot run, with the reason (on the CPU: only under
+            ``TRITON_INTERPRET=1``, in float32 or float16).
     """
     device = torch.device(device)
     if name is None:
+        if device.type == "cuda" and triton_attn_unavailable(device, dtype, head_size) is None:
+            return TritonAttentionBackend
         if device.type == "cpu" and dtype == torch.bfloat16 and envs.MINIVLLM_CPU_KERNELS and custom_ops.load():
             return CPUAttentionBackend
         return TorchSDPABackend
@@ -41,4 +51,8 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[st
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
     if backend is CPUAttentionBackend and not (device.type == "cpu" and dtype == torch.bfloat16 and custom_ops.load()):
         raise ValueError(f"CPU_ATTN needs bfloat16 on the CPU and built kernels, got {dtype} on {device}")
+    if backend is TritonAttentionBackend:
+        reason = triton_attn_unavailable(device, dtype, head_size)
+        if reason is not None:
+            raise ValueError(f"TRITON_ATTN cannot run for {dtype} on {device}: {reason}")
     return backend

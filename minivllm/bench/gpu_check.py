@@ -11,15 +11,18 @@ Sections (each one's result, or its error, goes to the JSON; the file is rewritt
 cut short still leaves what it finished). On a GPU each section runs in a child process of its own
 (``--isolate``), so that a CUDA error in one cannot fail the others:
 
-* ``env``: GPU, versions, date, the attention backends the engine offers.
+* ``env``: GPU, versions, date, the attention backends the engine offers and the one it picks by default.
 * ``kernels``: the Triton kernels (``minivllm.attention.ops``) against ``reference_paged_attention`` on real
   sizes (SmolLM2-135M and 1B heads, decode batches, prefill chunks with context, long decodes split over the
-  context), float32 / float16 / bfloat16, block sizes 16 and 32; the KV write against ``write_kv_cache``; the
-  decode kernel's time against the engine's eager gather + ``bmm`` decode path.
+  context), float32 / float16 / bfloat16, block sizes 16 and 32; the KV write against ``write_kv_cache``; one
+  layer's decode attention (KV write + attention) of ``TRITON_ATTN`` against ``TORCH_SDPA``'s gather + ``bmm``.
 * ``equality``: greedy tokens of the engine equal to transformers' ``generate`` in float32, for unchunked and
-  chunked prefill, with preemption and without CUDA graphs, for every attention backend.
+  chunked prefill, with preemption, with and without CUDA graphs, for every attention backend (``TRITON_ATTN``,
+  ``TORCH_SDPA``, ``REFERENCE``).
 * ``throughput``: the benchmark's 64-request workload (``minivllm.bench.workload.random_workload``) and a batch-1
-  decode in bfloat16, eager against CUDA graphs, against transformers' ``generate`` in the same process.
+  decode in bfloat16, ``TRITON_ATTN`` and ``TORCH_SDPA``, each eager and with CUDA graphs (the captured batch
+  sizes and each capture's warm-up + capture seconds reported), against transformers' ``generate`` in the same
+  process; ``gains`` gives the ratios: Triton over SDPA eager, CUDA graphs over eager, both over SDPA eager.
 * ``bandwidth_1b``: batch-1 decode of a 1B-parameter Llama shape, where reading the weights dominates.
 * ``limits``: the GPU's measured copy bandwidth and bfloat16 matmul rate next to the nominal H200 figures, and
   every batch-1 decode against its bandwidth floor.
@@ -48,15 +51,19 @@ REAL = dict(
     model="SMOLLM2_135M", big_model="LLAMA_1B",
     eq_prompt_lens=[160, 37, 90, 250], eq_max_tokens=32, eq_chunk_budget=64, eq_preempt_blocks=24,
     wl_requests=64, wl_prompt_len=(100, 300), wl_output_len=(32, 128), hf_batch_sizes=[16, 64],
-    lat_prompt_len=160, lat_output_len=128, repeats=2,
+    lat_prompt_len=160, lat_output_len=128, repeats=2, perf_dtype="bfloat16",
 )
 DRY = dict(
     model="TINY", big_model="TINY",
     eq_prompt_lens=[30, 14, 20], eq_max_tokens=6, eq_chunk_budget=16, eq_preempt_blocks=5,
     wl_requests=4, wl_prompt_len=(10, 30), wl_output_len=(3, 6), hf_batch_sizes=[4],
     lat_prompt_len=20, lat_output_len=6, repeats=1,
+    # The interpreted Triton kernels refuse bfloat16 (their tl.dot is wrong there): the dry run's speed sections
+    # run in float32, so that they exercise TRITON_ATTN too.
+    perf_dtype="float32",
 )
-BACKEND_CANDIDATES = ("sdpa", "reference", "triton", "TRITON_ATTN")
+# The engine's attention backends this script runs (CPU_ATTN is bfloat16 on the CPU only).
+BACKEND_CANDIDATES = ("TRITON_ATTN", "TORCH_SDPA", "REFERENCE")
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 
 
@@ -71,7 +78,8 @@ class Context:
         self.tmp = tempfile.mkdtemp(prefix="minivllm-gpu-check-")
         self.hf_fp32 = None  # the float32 transformers model of ``equality``, reused (in bf16) by ``throughput``
         self.model_folder: Optional[str] = None  # its save_pretrained folder
-        self.backends: List[str] = args.backends.split(",") if args.backends else available_backends()
+        self.backends: List[str] = (args.backends.upper().split(",") if args.backends
+                                    else available_backends(device, "float32"))
 
     def sync(self) -> None:
         import torch
@@ -81,17 +89,19 @@ class Context:
 
 
 # ---- env ----------------------------------------------------------------------------------------------------
-def available_backends() -> List[str]:
-    """The attention backends ``LlamaForCausalLM.set_attention_backend`` accepts among ``BACKEND_CANDIDATES``."""
-    from minivllm.model.loader import build_tiny_model
+def available_backends(device: str, dtype: str, head_size: int = 64) -> List[str]:
+    """The names among ``BACKEND_CANDIDATES`` that the engine's selector accepts for ``device`` and ``dtype``
+    (``TRITON_ATTN`` on CUDA with compiled kernels, or on the CPU under ``TRITON_INTERPRET=1`` in float32)."""
+    import torch
 
-    model = build_tiny_model()
+    from minivllm.attention.selector import get_attn_backend
+
     ok = []
     for name in BACKEND_CANDIDATES:
         try:
-            model.set_attention_backend(name)
+            get_attn_backend(torch.device(device), getattr(torch, dtype), name, head_size=head_size)
             ok.append(name)
-        except (ValueError, KeyError, NotImplementedError):
+        except ValueError:
             pass
     return ok
 
@@ -120,39 +130,36 @@ def section_env(ctx: Context) -> Dict:
         p = torch.cuda.get_device_properties(0)
         out.update(gpu=torch.cuda.get_device_name(0), gpu_capability=f"{p.major}.{p.minor}",
                    gpu_memory_gib=round(p.total_memory / 2**30, 1), gpu_sms=p.multi_processor_count)
+    from minivllm.attention.selector import get_attn_backend
+
     out["attention_backends"] = ctx.backends
+    out["default_backend"] = {dt: get_attn_backend(torch.device(ctx.device), getattr(torch, dt), head_size=64).get_name()
+                              for dt in ("float32", "bfloat16")}
     return out
 
 
 # ---- kernels ------------------------------------------------------------------------------------------------
 def _paged_batch(ctxs, qlens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
-    """Random queries and a paged cache with scattered blocks, and the matching ``AttentionMetadata``."""
+    """Random queries and a paged cache with scattered blocks, and the step's ``CommonAttentionMetadata`` and
+    reference ``AttentionMetadata``. Returns ``(query, kv_cache, cm, md)``."""
     import torch
 
-    from minivllm.attention.paged_attention import AttentionMetadata
+    from minivllm.attention.backend import AttentionMetadata
+    from minivllm.worker.block_table import create_common_attn_metadata
 
     g = torch.Generator().manual_seed(seed)
     seq_lens = [c + q for c, q in zip(ctxs, qlens)]
     nblk = [-(-s // block_size) for s in seq_lens]
     num_blocks = sum(nblk) + 8
-    ids = torch.randperm(num_blocks, generator=g)[: sum(nblk)]
-    block_table = torch.zeros(len(ctxs), max(nblk), dtype=torch.int64)
-    o = 0
-    for i, n in enumerate(nblk):
-        block_table[i, :n] = ids[o : o + n]
+    ids = torch.randperm(num_blocks, generator=g)[: sum(nblk)].tolist()
+    tables, o = [], 0
+    for n in nblk:
+        tables.append(ids[o : o + n])
         o += n
     kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(device, dtype)
     query = torch.randn(sum(qlens), num_heads, head_dim, generator=g).to(device, dtype)
-    qsl = [0]
-    for q in qlens:
-        qsl.append(qsl[-1] + q)
-    t = lambda x: torch.tensor(x, dtype=torch.int64, device=device)  # noqa: E731
-    md = AttentionMetadata(
-        query_start_loc=t(qsl), seq_lens=t(seq_lens), num_computed_tokens=t(ctxs), block_table=block_table.to(device),
-        slot_mapping=t([0] * sum(qlens)), positions=t([0] * sum(qlens)), block_size=block_size,
-        query_lens=list(qlens), seq_lens_list=seq_lens, computed_list=list(ctxs), query_start_list=qsl[:-1],
-    )
-    return query, kv_cache, md
+    cm = create_common_attn_metadata(tables, list(ctxs), list(qlens), block_size, device=device)
+    return query, kv_cache, cm, AttentionMetadata(**AttentionMetadata.common_fields(cm, block_size))
 
 
 def _kernel_cases(dry: bool):
@@ -178,7 +185,7 @@ def _kernel_cases(dry: bool):
 def section_kernels(ctx: Context) -> Dict:
     import torch
 
-    from minivllm.attention.paged_attention import reference_paged_attention, write_kv_cache
+    from minivllm.attention.backends.reference import reference_paged_attention
     from minivllm.attention.ops import triton_reshape_and_cache_flash as rc
     from minivllm.attention.ops import triton_unified_attention as ua
 
@@ -196,12 +203,12 @@ def section_kernels(ctx: Context) -> Dict:
     for i, (name, ctxs, qlens, h, kvh, d, bs) in enumerate(_kernel_cases(dry)):
         # float16 on the first two cases only: each (dtype, shape) is one more Triton compile on the GPU.
         for dtype in [t for t in dtypes if t != torch.float16 or i < 2]:
-            query, kv_cache, md = _paged_batch(ctxs, qlens, h, kvh, d, bs, dtype, dev)
+            query, kv_cache, _, md = _paged_batch(ctxs, qlens, h, kvh, d, bs, dtype, dev)
             ref = reference_paged_attention(query.float(), kv_cache.float(), md, d ** -0.5)
             res = torch.full_like(query, float("nan"))
-            segments = ua.choose_num_segments(len(ctxs), kvh, max(qlens), max(md.seq_lens_list))
+            segments = ua.choose_num_segments(len(ctxs), kvh, max(qlens), max(md.seq_lens_cpu))
             ua.unified_attention(query, kv_cache[0], kv_cache[1], res, md.query_start_loc, max(qlens), md.seq_lens,
-                                 max(md.seq_lens_list), d ** -0.5, md.block_table)
+                                 max(md.seq_lens_cpu), d ** -0.5, md.block_table)
             err = (res.float() - ref).abs().max().item()
             dname = str(dtype).replace("torch.", "")
             ok = err < TOLERANCE[dname]
@@ -220,6 +227,8 @@ def section_kernels(ctx: Context) -> Dict:
             cache = torch.randn(2, nb, bs, kvh, d, generator=g).to(dev, dtype)
             expected = cache.clone()
             keep = slots >= 0
+            from minivllm.attention.paged_attention import write_kv_cache
+
             write_kv_cache(key[keep], value[keep], expected, slots[keep])
             rc.triton_reshape_and_cache_flash(key, value, cache[0], cache[1], slots)
             ok = bool(torch.equal(cache, expected))
@@ -232,20 +241,6 @@ def section_kernels(ctx: Context) -> Dict:
             out["timing_error"] = traceback.format_exc()[-3000:]
     out["passed"] = passed
     return out
-
-
-def add_decode_fields(md) -> None:
-    """Fill the fields of a pure-decode ``AttentionMetadata`` that the engine's eager decode path reads (one
-    group, keys padded to the longest request and masked), as ``ModelRunner._prepare_inputs`` does."""
-    import torch
-
-    n, bs, dev = md.num_reqs, md.block_size, md.block_table.device
-    nblk = -(-max(md.seq_lens_list) // bs)
-    md.decode_reqs = list(range(n))
-    md.decode_token_idx = torch.arange(n, device=dev)
-    md.decode_block_table = md.block_table[:, :nblk]
-    key_pos = torch.arange(nblk * bs, device=dev)
-    md.decode_key_mask = (key_pos[None, :] >= md.seq_lens[:, None])[:, None, None, :]
 
 
 def _graph_seconds(fn, reps: int) -> float:
@@ -269,45 +264,51 @@ def _graph_seconds(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps
 
 
-def _time_both(query, kv_cache, md, scale: float = 0.125, reps: int = 20) -> Dict:
+def _time_both(query, kv_cache, cm, reps: int = 20) -> Dict:
+    """One layer's decode attention, KV write included, through ``TRITON_ATTN`` and ``TORCH_SDPA`` (their
+    builders and implementations, as the engine calls them)."""
     import torch
 
-    from minivllm.attention.ops import triton_unified_attention as ua
-    from minivllm.attention.paged_attention import paged_attention
+    from minivllm.attention.backends.torch_sdpa import TorchSDPABackend
+    from minivllm.attention.backends.triton_attn import TritonAttentionBackend
 
-    out = torch.empty_like(query)
-    calls = {
-        "triton_unified_attention": lambda: ua.unified_attention(
-            query, kv_cache[0], kv_cache[1], out, md.query_start_loc, 1, md.seq_lens, max(md.seq_lens_list), scale,
-            md.block_table),
-        "eager_gather_bmm": lambda: paged_attention(query, None, None, kv_cache, md, scale),
-    }
+    t, h, d = query.shape
+    kvh, bs = kv_cache.shape[3], kv_cache.shape[2]
+    g = torch.Generator(device=query.device).manual_seed(0)
+    key = torch.randn(t, kvh, d, generator=g, device=query.device).to(query.dtype)
+    value = torch.randn(t, kvh, d, generator=g, device=query.device).to(query.dtype)
+    calls = {}
+    for label, backend in (("triton_attn", TritonAttentionBackend), ("torch_sdpa", TorchSDPABackend)):
+        md = backend.get_builder_cls()(bs, h, kvh, d, query.dtype, query.device).build(cm)
+        impl = backend.get_impl_cls()(h, d, d ** -0.5, kvh)
+        calls[label] = (lambda impl=impl, md=md: impl.forward(query, key, value, kv_cache, md))
     row = {}
     for label, fn in calls.items():
         for _ in range(3):
             fn()
         torch.cuda.synchronize()
-        t = time.perf_counter()
+        start = time.perf_counter()
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-        row[f"{label}_us"] = round((time.perf_counter() - t) / reps * 1e6, 1)
-    row["speedup"] = round(row["eager_gather_bmm_us"] / row["triton_unified_attention_us"], 2)
+        row[f"{label}_us"] = round((time.perf_counter() - start) / reps * 1e6, 1)
+    row["speedup"] = round(row["torch_sdpa_us"] / row["triton_attn_us"], 2)
     # The same calls replayed from a CUDA graph: GPU time only, without Python's launch overhead.
     for label, fn in calls.items():
         try:
             row[f"{label}_graph_us"] = round(_graph_seconds(fn, reps) * 1e6, 1)
         except Exception as e:  # a path that cannot be captured is reported, not fatal
             row[f"{label}_graph_us"] = f"not capturable: {e!r}"[:300]
-    a = calls["triton_unified_attention"]().float()
-    row["max_abs_diff"] = (a - calls["eager_gather_bmm"]().float()).abs().max().item()
+    a = calls["triton_attn"]().float()
+    row["max_abs_diff"] = (a - calls["torch_sdpa"]().float()).abs().max().item()
     return row
 
 
 def _time_decode_kernels(ctx: Context) -> List[Dict]:
-    """Microseconds per layer call of a pure-decode batch: the Triton kernel against the engine's eager decode
-    path (gather + two ``bmm``, ``minivllm.attention.paged_attention.paged_decode_attention``), bfloat16; called
-    from Python (``*_us``, what an eager engine pays) and replayed from a CUDA graph (``*_graph_us``, GPU time)."""
+    """Microseconds per layer call of a pure-decode batch: ``TRITON_ATTN`` (KV write + unified attention)
+    against ``TORCH_SDPA`` (KV write, gather + two ``bmm``: ``torch_sdpa.paged_decode_attention``), bfloat16;
+    called from Python (``*_us``, what an eager engine pays) and replayed from a CUDA graph (``*_graph_us``, GPU
+    time)."""
     import numpy as np
     import torch
 
@@ -317,10 +318,9 @@ def _time_decode_kernels(ctx: Context) -> List[Dict]:
              ("llama1b_64_decodes", 64, 100, 430, 32, 8)]
     for name, n, lo, hi, h, kvh in cases:
         ctxs = rng.integers(lo, hi + 1, n).tolist()
-        query, kv_cache, md = _paged_batch(ctxs, [1] * n, h, kvh, 64, 16, torch.bfloat16, "cuda")
-        add_decode_fields(md)
-        row = {"case": name, "num_seqs": n, "keys": sum(md.seq_lens_list)}
-        row.update(_time_both(query, kv_cache, md))
+        query, kv_cache, cm, _ = _paged_batch(ctxs, [1] * n, h, kvh, 64, 16, torch.bfloat16, "cuda")
+        row = {"case": name, "num_seqs": n, "keys": sum(cm.seq_lens_cpu)}
+        row.update(_time_both(query, kv_cache, cm))
         rows.append(row)
     return rows
 
@@ -356,15 +356,7 @@ def _engine_tokens(model, prompts, max_tokens, ctx: Context, backend: str, eager
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sampling_params import SamplingParams
 
-    old = os.environ.get("MINIVLLM_ENFORCE_EAGER")
-    os.environ["MINIVLLM_ENFORCE_EAGER"] = "1" if eager else "0"
-    try:
-        engine = LLMEngine(model, device=ctx.device, attention_backend=backend, **engine_kw)
-    finally:
-        if old is None:
-            os.environ.pop("MINIVLLM_ENFORCE_EAGER", None)
-        else:
-            os.environ["MINIVLLM_ENFORCE_EAGER"] = old
+    engine = LLMEngine(model, device=ctx.device, attention_backend=backend, enforce_eager=eager, **engine_kw)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     ids = [engine.add_request(None, {"prompt_token_ids": p}, params) for p in prompts]
     got: Dict[str, List[int]] = {i: [] for i in ids}
@@ -434,15 +426,7 @@ def section_equality(ctx: Context) -> Dict:
 def _perf_engine(model, ctx: Context, backend: str, eager: bool):
     from minivllm.engine.llm_engine import LLMEngine
 
-    old = os.environ.get("MINIVLLM_ENFORCE_EAGER")
-    os.environ["MINIVLLM_ENFORCE_EAGER"] = "1" if eager else "0"
-    try:
-        return LLMEngine(model, device=ctx.device, attention_backend=backend)
-    finally:
-        if old is None:
-            os.environ.pop("MINIVLLM_ENFORCE_EAGER", None)
-        else:
-            os.environ["MINIVLLM_ENFORCE_EAGER"] = old
+    return LLMEngine(model, device=ctx.device, attention_backend=backend, enforce_eager=eager)
 
 
 def _run_minivllm(model, ctx: Context, backend: str, eager: bool, workload) -> Dict:
@@ -463,7 +447,12 @@ def _run_minivllm(model, ctx: Context, backend: str, eager: bool, workload) -> D
     row.update(backend=backend, mode="eager" if eager else "cuda_graphs", warmup_s=round(warmup_s, 2),
                elapsed_runs_s=[round(r.elapsed_s, 3) for r in runs])
     if gr is not None:
-        row["graphs_captured"] = sorted([list(k) for k in gr.graphs])  # (padded batch, padded block-table width)
+        # The batch sizes a decode step is padded to, and what was captured: (padded batch B, padded block-table
+        # width NB) with the seconds of its two warm-up forwards + capture (Triton compiles during the warm-up).
+        row["capture_sizes"] = list(gr.sizes)
+        row["graphs_captured"] = sorted([list(k) for k in gr.graphs])
+        row["capture_seconds"] = {f"{b}x{nb}": round(t, 3) for (b, nb), t in sorted(gr.capture_seconds.items())}
+        row["capture_seconds_total"] = round(sum(gr.capture_seconds.values()), 2)
         row["graph_replays"] = gr.num_replays
     row["_tokens"] = best.token_ids
     return row
@@ -480,8 +469,29 @@ def _run_hf(hf, ctx: Context, workload, batch_size: int) -> Dict:
     return row
 
 
-def _perf_backends(ctx: Context) -> List[str]:
-    return [b for b in ctx.backends if b != "reference"] or ctx.backends[:1]
+def _perf_backends(ctx: Context, dtype: str) -> List[str]:
+    """The requested backends that run in ``dtype`` here, without the slow ``REFERENCE`` (unless it is all)."""
+    ok = [b for b in ctx.backends if b in available_backends(ctx.device, dtype)]
+    return [b for b in ok if b != "REFERENCE"] or ok[:1]
+
+
+GAINS = (  # (label, (backend, mode) measured, (backend, mode) it is compared with)
+    ("triton_over_sdpa_eager", ("TRITON_ATTN", "eager"), ("TORCH_SDPA", "eager")),
+    ("triton_over_sdpa_cuda_graphs", ("TRITON_ATTN", "cuda_graphs"), ("TORCH_SDPA", "cuda_graphs")),
+    ("cuda_graphs_over_eager_triton", ("TRITON_ATTN", "cuda_graphs"), ("TRITON_ATTN", "eager")),
+    ("cuda_graphs_over_eager_sdpa", ("TORCH_SDPA", "cuda_graphs"), ("TORCH_SDPA", "eager")),
+    ("triton_cuda_graphs_over_sdpa_eager", ("TRITON_ATTN", "cuda_graphs"), ("TORCH_SDPA", "eager")),
+)
+
+
+def _gains(rows: List[Dict], metric: str) -> Dict[str, Optional[float]]:
+    """Ratios of ``metric`` (higher is better) between the runs named in ``GAINS``; ``None`` where a run is
+    missing (no GPU: no CUDA graphs; a backend not run)."""
+    by = {(r["backend"], r["mode"]): r.get(metric) for r in rows}
+    out: Dict[str, Optional[float]] = {}
+    for label, a, b in GAINS:
+        out[label] = round(by[a] / by[b], 3) if by.get(a) and by.get(b) else None
+    return out
 
 
 def _decode_rows(model_rows: List[Dict], hf_rows: List[Dict], config, dtype) -> Dict:
@@ -521,17 +531,18 @@ def section_throughput(ctx: Context) -> Dict:
     from minivllm.model.loader import load_model
 
     s = ctx.sizes
+    dtype = getattr(torch, s["perf_dtype"])
     shape = getattr(random_models, s["model"])
     _ensure_model(ctx)
-    model = load_model(ctx.model_folder, dtype=torch.bfloat16, device=ctx.device)
-    hf = ctx.hf_fp32.to(torch.bfloat16)
+    model = load_model(ctx.model_folder, dtype=dtype, device=ctx.device)
+    hf = ctx.hf_fp32.to(dtype)
     ctx.hf_fp32 = None
     wl = random_workload(s["wl_requests"], s["wl_prompt_len"], s["wl_output_len"], vocab_size=shape["vocab_size"])
     lat = latency_workload(s["lat_prompt_len"], s["lat_output_len"], vocab_size=shape["vocab_size"])
     modes = [True, False] if ctx.device == "cuda" else [True]
-    out: Dict = {"dtype": "bfloat16", "workload": wl.summary(), "latency_workload": lat.summary(), "runs": [],
+    out: Dict = {"dtype": s["perf_dtype"], "workload": wl.summary(), "latency_workload": lat.summary(), "runs": [],
                  "batch1": []}
-    for backend in _perf_backends(ctx):
+    for backend in _perf_backends(ctx, s["perf_dtype"]):
         for eager in modes:
             out["runs"].append(_run_minivllm(model, ctx, backend, eager, wl))
             out["batch1"].append(_run_minivllm(model, ctx, backend, eager, lat))
@@ -550,7 +561,11 @@ def section_throughput(ctx: Context) -> Dict:
     for r in out["runs"]:
         same = sum(a == b for a, b in zip(r["_tokens"], ref))
         r["requests_equal_to_transformers_bf16"] = f"{same}/{len(ref)}"
-    out["batch1_vs_limits"] = _decode_rows(out["batch1"], [hf_lat], model.config, torch.bfloat16)
+    out["gains"] = {"workload_output_tok_s": _gains(out["runs"], "output_tok_s"),
+                    "batch1_decode_tok_s": _gains(out["batch1"], "decode_tok_s")}
+    if ctx.device == "cpu":
+        out["gains"]["note"] = "dry run: Triton kernels interpreted on the CPU, no CUDA graphs; not a speed measurement"
+    out["batch1_vs_limits"] = _decode_rows(out["batch1"], [hf_lat], model.config, dtype)
     for r in out["runs"] + out["batch1"] + hf_runs + [hf_lat]:
         r.pop("_tokens", None)
     del model, hf
@@ -568,17 +583,19 @@ def section_bandwidth_1b(ctx: Context) -> Dict:
 
     s = ctx.sizes
     shape = getattr(random_models, s["big_model"])
-    model = random_models.build_minivllm_random_model(shape, seed=1, dtype=torch.bfloat16, device=ctx.device)
+    dtype = getattr(torch, s["perf_dtype"])
+    model = random_models.build_minivllm_random_model(shape, seed=1, dtype=dtype, device=ctx.device)
     lat = latency_workload(s["lat_prompt_len"], s["lat_output_len"], vocab_size=shape["vocab_size"])
     modes = [True, False] if ctx.device == "cuda" else [True]
-    rows = [_run_minivllm(model, ctx, b, eager, lat) for b in _perf_backends(ctx) for eager in modes]
+    rows = [_run_minivllm(model, ctx, b, eager, lat) for b in _perf_backends(ctx, s["perf_dtype"]) for eager in modes]
     hf = hf_model_from_minivllm(model)
     hf_row = _run_hf(hf, ctx, lat, 1)
     for r in rows + [hf_row]:
         r.pop("_tokens", None)
-    out = {"model": s["big_model"], "params": random_models.num_params(shape), "dtype": "bfloat16",
+    out = {"model": s["big_model"], "params": random_models.num_params(shape), "dtype": s["perf_dtype"],
            "latency_workload": lat.summary(), "batch1": rows, "transformers_batch1": hf_row,
-           "batch1_vs_limits": _decode_rows(rows, [hf_row], model.config, torch.bfloat16)}
+           "gains": {"batch1_decode_tok_s": _gains(rows, "decode_tok_s")},
+           "batch1_vs_limits": _decode_rows(rows, [hf_row], model.config, dtype)}
     del model, hf
     if ctx.device == "cuda":
         torch.cuda.empty_cache()

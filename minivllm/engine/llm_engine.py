@@ -85,7 +85,7 @@ class LLMEngine:
             the model's architecture), as vLLM's ``LoadConfig.load_format``.
         kv_connector: a ``KVConnectorBase`` instance, or ``None``.
         attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
-            ``"CPU_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
+            ``"CPU_ATTN"``, ``"TRITON_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
         enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
         record_trace: keep a ``SchedulerTrace`` of every step in ``self.trace``.
         record_inputs: also keep each step's flattened batch (positions, slot mapping, ...) in the trace.

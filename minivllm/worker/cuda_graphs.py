@@ -18,7 +18,9 @@ null block plays this role) and attend to one key, so they never touch a real re
 metadata is built by the backend's builder (``build_for_cudagraph_capture``) from the static buffers, inside the
 captured region. Graphs are captured lazily, the first time a ``(B, NB)`` pair is needed, and share one memory
 pool. Only pure-decode steps are replayed; steps with a prefill chunk, a KV connector or the reference attention
-run eagerly.
+run eagerly. The backends that can be captured (``supports_cudagraph``) are ``TORCH_SDPA`` and ``TRITON_ATTN``
+(the CUDA default, whose kernels read ``seq_lens`` and the block table from the buffers at every replay; its
+launch grid and context split follow the bucket's shape ``(B, NB)``). ``capture_seconds`` records each capture.
 
 On the CPU nothing here runs by default. ``emulate=True`` runs the same padded static-buffer forward eagerly (no
 graph), which lets the CPU test suite check the padding logic token for token.
@@ -26,6 +28,7 @@ graph), which lets the CPU test suite check the padding logic token for token.
 
 from __future__ import annotations
 
+import time
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -87,6 +90,9 @@ class DecodeGraphRunner:
         self.outputs: Dict[Tuple[int, int], torch.Tensor] = {}
         self.pool = None
         self.num_replays = 0  # decode steps served from a graph (or, emulated, from the padded buffers)
+        # Seconds spent on each captured (B, NB): two warm-up forwards (which compile any Triton kernel variant
+        # first seen) plus the capture itself; reported by the GPU check next to ``sizes``.
+        self.capture_seconds: Dict[Tuple[int, int], float] = {}
 
     def bucket(self, num_reqs: int, num_blocks: int) -> Optional[Tuple[int, int]]:
         """The captured ``(B, NB)`` for a decode batch, or ``None`` if it is too large to replay."""
@@ -110,6 +116,7 @@ class DecodeGraphRunner:
 
     def _capture(self, key: Tuple[int, int]) -> None:
         b, nb = key
+        start = time.perf_counter()
         # Warm-up and capture run on this step's inputs, already in the static buffers: they write the same K/V
         # to the same slots as the replay that follows, so they change nothing.
         stream = torch.cuda.Stream()
@@ -124,6 +131,8 @@ class DecodeGraphRunner:
         with torch.cuda.graph(graph, pool=self.pool):
             self.outputs[key] = self._forward(b, nb)
         self.graphs[key] = graph
+        torch.cuda.synchronize()
+        self.capture_seconds[key] = time.perf_counter() - start
 
     def _reset_padding(self) -> None:
         self.input_ids.zero_()

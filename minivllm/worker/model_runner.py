@@ -109,7 +109,7 @@ class ModelRunner:
         self.scratch_block_id = num_gpu_blocks
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
-        self.attn_backend = get_attn_backend(self.device, self.dtype, attention_backend)
+        self.attn_backend = get_attn_backend(self.device, self.dtype, attention_backend, cfg.head_dim)
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(
             block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
         )

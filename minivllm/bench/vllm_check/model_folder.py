@@ -34,22 +34,23 @@ def ensure_model_folder(folder: Optional[str] = None, gguf_path: Optional[str] =
     Raises:
         FileNotFoundError: when the GGUF is not installed (the message names the install command).
     """
-    import torch
-    from safetensors.torch import save_file
-
-    from minivllm.model.loader import default_model_path, read_gguf
-    from minivllm.model.tokenizer import load_tokenizer
-
     folder = folder or default_folder()
     if os.path.exists(os.path.join(folder, ".complete")):
         return folder
+    import torch
+
+    from minivllm.model.loader import default_model_path, load_model
+    from minivllm.model.tokenizer import load_tokenizer
+
     gguf_path = gguf_path or default_model_path()
-    config, sd = read_gguf(gguf_path)
-    c = config
+    model = load_model(gguf_path)  # float32, exactly what minivllm computes with
+    c = model.config
     q_rows = c.num_attention_heads * c.head_dim
     kv_rows = c.num_key_value_heads * c.head_dim
     out = {}
-    for name, t in sd.items():
+    for name, t in model.state_dict().items():
+        if not name.endswith(".weight") or (name == "lm_head.weight" and c.tie_word_embeddings):
+            continue
         if name.endswith("self_attn.qkv_proj.weight"):
             p = name[: -len("qkv_proj.weight")]
             q, k, v = torch.split(t, [q_rows, kv_rows, kv_rows])
@@ -60,8 +61,10 @@ def ensure_model_folder(folder: Optional[str] = None, gguf_path: Optional[str] =
             out[p + "gate_proj.weight"], out[p + "up_proj.weight"] = g, u
         else:
             out[name] = t
-    out = {k: v.contiguous().float() for k, v in out.items()}
+    out = {k: v.detach().contiguous().float() for k, v in out.items()}
     os.makedirs(folder, exist_ok=True)
+    from safetensors.torch import save_file
+
     save_file(out, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
     hf_config = {
         "architectures": ["LlamaForCausalLM"],
