@@ -151,3 +151,39 @@ class ModelConfig:
     model: str
     hf_config: Any
     tokenizer: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Every setting of one engine, resolved and validated (vLLM: ``VllmConfig`` in ``vllm/config/vllm.py``).
+
+    Built once by ``EngineArgs.create_engine_config()``; nothing changes it afterwards.
+
+    Where minivllm differs from vLLM: vLLM's config holds only settings (``ModelConfig`` reads the Hugging Face
+    config, and the worker loads the weights later). minivllm's GGUF reader yields the config and the weights in
+    one pass, and the KV pool size depends on the loaded dtype, so the loaded ``model`` and its ``tokenizer``
+    travel in the config to the ``EngineCore``. ``hf_config`` is the loaded model's own ``LlamaConfig`` (vLLM:
+    ``model_config.hf_config``; the model may also be handed in built, without a ``ModelConfig``).
+
+    Attributes:
+        hf_config: the architecture (``LlamaConfig``: layers, heads, ``vocab_size``, context length).
+        cache_config / scheduler_config: as above, with ``num_gpu_blocks`` and the limits resolved.
+        model: the loaded ``LlamaForCausalLM``; tokenizer: a transformers tokenizer or ``None``.
+        dtype / device: ``torch.dtype`` and ``torch.device`` of the weights and the KV cache.
+        seed: seed of the generator shared by requests without a seed of their own.
+        kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``).
+        attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
+            and dtype) and whether CUDA graphs are off, as in vLLM.
+    """
+
+    hf_config: Any
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    model: Any
+    tokenizer: Any
+    dtype: Any
+    device: Any
+    seed: int = 0
+    kv_connector: Any = None
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False

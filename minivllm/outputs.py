@@ -36,7 +36,13 @@ class RequestOutput:
         finished: True once the request ended (finished or aborted).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         num_preemptions: times the request was preempted.
-        new_token_ids / new_text: what this step added (for streaming).
+        new_token_ids / new_text: what this step added (for streaming, whatever the output kind; a minivllm
+            shortcut, not in vLLM).
+
+    ``outputs[0].text`` and ``token_ids`` follow ``SamplingParams.output_kind``: everything so far
+    (``CUMULATIVE``, the default; ``token_ids`` is then the engine's growing list, not a copy), this step's part
+    (``DELTA``), or everything in the one final output (``FINAL_ONLY``). While a request with stop strings runs,
+    the last ``max(len(s) for s in stop) - 1`` characters of text are held back (see ``engine/detokenizer.py``).
     """
 
     request_id: str

@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
+
+
+class RequestOutputKind(enum.Enum):
+    """What each ``RequestOutput`` of a running request carries (vLLM: ``vllm/sampling_params.py``).
+
+    ``CUMULATIVE`` (the default, as in vLLM): the whole text and token ids so far. ``DELTA``: only what this step
+    added. ``FINAL_ONLY``: nothing until the request finishes, then one output with everything.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -34,6 +47,8 @@ class SamplingParams:
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         skip_special_tokens: Drop special tokens when detokenizing.
         priority: Used by the ``priority`` scheduling policy: a *lower* value is served first (vLLM's rule).
+        output_kind: a ``RequestOutputKind``: whole outputs so far (``CUMULATIVE``, the default), deltas
+            (``DELTA``) or only the final output (``FINAL_ONLY``).
 
     Raises:
         ValueError: naming the parameter, its value and the limit, for any out-of-range value. Checked here,
@@ -56,6 +71,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     priority: int = 0
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     # Filled by the engine: the tokenizer's EOS id (None for models without one).
     eos_token_id: Optional[int] = field(default=None, repr=False)
 
@@ -92,6 +108,8 @@ class SamplingParams:
             raise bad("seed", self.seed, "an int in [0, 2**63 - 1] or None")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise bad("priority", self.priority, "an int (lower values are served first)")
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", self.output_kind, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY)")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise bad("stop", s, "a non-empty string")

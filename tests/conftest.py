@@ -36,12 +36,16 @@ def hf_model():
     return model.eval()
 
 
-def make_tiny_engine(**kw):
-    """A tiny random-weight engine (fp32); keyword arguments override the defaults below."""
+def make_tiny_engine(traced=False, **kw):
+    """A tiny random-weight engine (fp32); keyword arguments override the defaults below.
+
+    ``traced=True`` (or ``record_inputs=True``) gives the course's ``TracedLLMEngine``, which records ``.trace``.
+    """
     from minivllm import LLMEngine
+    from minivllm.course.trace import TracedLLMEngine
 
     kw.setdefault("enable_prefix_caching", False)
-    return LLMEngine("tiny", **kw)
+    return (TracedLLMEngine if traced or kw.get("record_inputs") else LLMEngine)("tiny", **kw)
 
 
 def run_all(engine, max_steps=100000):

@@ -9,7 +9,7 @@ PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
 
 def _generate(budget, prompt=PROMPT, params=None, **kw):
-    eng = make_tiny_engine(max_num_batched_tokens=budget, max_num_seqs=min(budget, 256), record_trace=True, **kw)
+    eng = make_tiny_engine(max_num_batched_tokens=budget, max_num_seqs=min(budget, 256), traced=True, **kw)
     eng.add_request("r", {"prompt_token_ids": prompt}, params or SamplingParams(temperature=0, max_tokens=8))
     return run_all(eng)["r"], eng
 
@@ -56,7 +56,7 @@ def test_seeded_sampling_is_independent_of_chunking(budget):
 
 
 def test_long_prefill_token_threshold_caps_each_request():
-    eng = make_tiny_engine(max_num_batched_tokens=64, long_prefill_token_threshold=24, record_trace=True)
+    eng = make_tiny_engine(max_num_batched_tokens=64, long_prefill_token_threshold=24, traced=True)
     for rid in "ab":
         eng.add_request(rid, {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=1))
     run_all(eng)
@@ -66,7 +66,7 @@ def test_long_prefill_token_threshold_caps_each_request():
 
 def test_chunked_prefill_off_admits_whole_prompts_only():
     eng = make_tiny_engine(max_num_batched_tokens=40, max_model_len=40, enable_chunked_prefill=False,
-                           record_trace=True)
+                           traced=True)
     eng.add_request("a", {"prompt_token_ids": PROMPT}, SamplingParams(temperature=0, max_tokens=3))
     eng.add_request("b", {"prompt_token_ids": PROMPT[:10]}, SamplingParams(temperature=0, max_tokens=3))
     run_all(eng)

@@ -14,6 +14,7 @@ import torch
 
 import minivllm.attention.paged_attention as paged_attention
 from minivllm import LLMEngine, SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.course.buggy_connector import BuggyOffloadConnector
 from minivllm.course.recording_connector import RecordingConnector
@@ -29,12 +30,12 @@ def greedy(n):
 
 def tiny(**kw):
     kw.setdefault("enable_prefix_caching", False)
-    return LLMEngine("tiny", record_trace=True, **kw)
+    return TracedLLMEngine("tiny", **kw)
 
 
 def run_counting_peeks(engine, before_step=None):
     """Step until done; per step, how often the waiting loop peeked at the queue and how many requests waited."""
-    peeks, waiting_before = [], []
+    peeks, waiting_before, final = [], [], {}
     peek = engine.scheduler.waiting.peek_request
 
     def counting_peek():
@@ -47,8 +48,8 @@ def run_counting_peeks(engine, before_step=None):
             before_step(len(peeks))
         peeks.append(0)
         waiting_before.append(len(engine.scheduler.waiting))
-        engine.step()
-    return peeks, waiting_before
+        final.update((o.request_id, o) for o in engine.step() if o.finished)
+    return peeks, waiting_before, final
 
 
 def preemption_scenario(**kw):
@@ -61,8 +62,8 @@ def preemption_scenario(**kw):
         if k == 12:
             eng.add_request("D", [200, 201, 202], greedy(3))
 
-    peeks, waiting_before = run_counting_peeks(eng, add_d)
-    return eng, peeks, waiting_before
+    peeks, waiting_before, final = run_counting_peeks(eng, add_d)
+    return eng, peeks, waiting_before, final
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,7 @@ def test_q1_request_scheduled_per_chunk_per_decode_and_again_after_preemption():
 
 
 def test_q1_never_twice_in_one_step(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, _ = preempt_run
     for s in eng.trace:
         assert not set(s.preempted) & set(s.num_scheduled_tokens)
         assert not set(s.new) & set(s.resumed)
@@ -121,8 +122,9 @@ def _connector_run(connector):
     eng.add_request("A", list(range(1, 25)), greedy(3))
     eng.add_request("C", [7, 8], greedy(10))
     eng.add_request("B", B_PROMPT, greedy(3))
+    b_request = eng.get_request("B")  # the engine drops finished requests: keep B's while it is live
     eng.run_to_completion()
-    return eng
+    return eng, b_request
 
 
 def _calls(eng, name, req_id=None):
@@ -135,7 +137,7 @@ def _loads(eng):
 
 
 def test_q2_build_connector_meta_once_per_step_and_waiting_request_asked_every_step():
-    eng = _connector_run(OffloadConnector(4, store=_warm_store()))
+    eng, b_request = _connector_run(OffloadConnector(4, store=_warm_store()))
     n = len(eng.trace)
     assert _calls(eng, "build_connector_meta") == list(range(n))
     assert _calls(eng, "get_num_new_matched_tokens", "B") == [0, 1, 2, 3]
@@ -147,16 +149,16 @@ def test_q2_build_connector_meta_once_per_step_and_waiting_request_asked_every_s
 
 
 def test_q2_connector_offers_whole_blocks_before_the_last_prompt_token():
-    eng = _connector_run(OffloadConnector(4, store=_warm_store()))
+    eng, b_request = _connector_run(OffloadConnector(4, store=_warm_store()))
     store = eng.scheduler.connector.store
-    assert all(store.contains(h) for h in eng.get_request("B").block_hashes[:3])  # all 3 prompt blocks stored
+    assert all(store.contains(h) for h in b_request.block_hashes[:3])  # all 3 prompt blocks stored
     offered = [d["result"][0] for s in eng.trace for d in s.connector_calls
                if d["call"] == "get_num_new_matched_tokens" and d["req_id"] == "B"]
     assert set(offered) == {(len(B_PROMPT) - 1) // 4 * 4} == {8}  # the block holding the last token is computed
 
 
 def test_q2_buggy_connector_emits_the_same_request_every_step():
-    eng = _connector_run(BuggyOffloadConnector(4, store=_warm_store()))
+    eng, b_request = _connector_run(BuggyOffloadConnector(4, store=_warm_store()))
     loads = _loads(eng)
     last_b = eng.trace.steps_of("B")[-1]
     assert all("B" in m for m in loads)
@@ -190,7 +192,7 @@ def test_q2_async_load_steps_without_tokens_still_build_meta_and_alloc_twice():
 
 # ---- Q3 ---------------------------------------------------------------------------------------------------------
 def test_q3_waiting_loop_skipped_exactly_in_preempting_steps(preempt_run):
-    eng, peeks, waiting_before = preempt_run
+    eng, peeks, waiting_before, _ = preempt_run
     preempting = [s.step for s in eng.trace if s.preempted]
     assert preempting == [5, 9, 24]
     for s in eng.trace:
@@ -203,7 +205,7 @@ def test_q3_waiting_loop_skipped_exactly_in_preempting_steps(preempt_run):
 
 
 def test_q3_resumed_and_new_requests_admitted_by_the_same_loop(preempt_run):
-    eng, peeks, _ = preempt_run
+    eng, peeks, _, _ = preempt_run
     assert eng.trace[20].resumed == ["B", "C"] and peeks[20] == 3
     assert eng.trace[31].resumed == ["C"] and eng.trace[31].new == ["D"]
 
@@ -212,7 +214,7 @@ def test_q3_request_that_fits_is_not_admitted_in_a_preempting_step():
     eng = tiny(block_size=4, num_gpu_blocks=5, max_num_batched_tokens=64, scheduling_policy="priority")
     eng.add_request("A", list(range(1, 9)), greedy(6), priority=0)
     eng.add_request("V", list(range(11, 19)), greedy(6), priority=5)
-    peeks, _ = run_counting_peeks(eng, lambda k: k == 1 and eng.add_request("W", [300], greedy(2), priority=1))
+    peeks, *_ = run_counting_peeks(eng, lambda k: k == 1 and eng.add_request("W", [300], greedy(2), priority=1))
     s1 = eng.trace[1]
     assert s1.preempted == ["V"] and "W" in s1.waiting and peeks[1] == 0
     assert s1.num_free_blocks >= 1 and s1.token_budget - s1.total_scheduled >= 1
@@ -224,7 +226,7 @@ def test_q3_request_that_fits_is_not_admitted_in_a_preempting_step():
 
 # ---- Q4 ---------------------------------------------------------------------------------------------------------
 def test_q4_preempted_reqs_is_a_local_of_schedule(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, _ = preempt_run
     assert "preempted_reqs" in Scheduler.schedule.__code__.co_varnames
     assert not hasattr(eng.scheduler, "preempted_reqs")
     # SchedulerOutput.preempted_req_ids is built from the local list: this step's victims only
@@ -232,7 +234,7 @@ def test_q4_preempted_reqs_is_a_local_of_schedule(preempt_run):
 
 
 def test_q4_victim_goes_to_front_of_waiting_reset_and_comes_back_resumed(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, _ = preempt_run
     for k, rid in eng.trace.preemptions():
         snap = eng.trace[k].requests[rid]
         assert eng.trace[k].waiting[0] == rid
@@ -244,43 +246,43 @@ def test_q4_victim_goes_to_front_of_waiting_reset_and_comes_back_resumed(preempt
 
 
 def test_q4_outputs_equal_run_without_preemption(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, final = preempt_run
     roomy = tiny(block_size=4, num_gpu_blocks=64)
     for i, rid in enumerate("ABC"):
         roomy.add_request(rid, list(range(10 * i + 1, 10 * i + 9)), greedy(20))
     out = roomy.run_to_completion()
     assert roomy.num_preemptions == 0
     for rid in "ABC":
-        assert eng.get_request(rid).output_token_ids == out[rid].outputs[0].token_ids
+        assert final[rid].outputs[0].token_ids == out[rid].outputs[0].token_ids
 
 
 # ---- Q5 ---------------------------------------------------------------------------------------------------------
 def test_q5_no_deadlock_but_thrashing(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, final = preempt_run
     tr = eng.trace
     assert sorted(r for s in tr for r in s.finished) == ["A", "B", "C", "D"]
     assert all(s.total_scheduled > 0 for s in tr)
     assert all(s.running[0] in s.num_scheduled_tokens for s in tr if s.running)
-    assert eng.get_request("C").num_preemptions == 2 and eng.get_request("A").num_preemptions == 0
+    assert final["C"].num_preemptions == 2 and final["A"].num_preemptions == 0
     assert {r: tr.recomputed_tokens(r) for r in "ABCD"} == {"A": 0, "B": 16, "C": 28, "D": 0}
     # the same from first principles: every token scheduled minus the distinct positions that needed KV
     # (prompt + outputs - 1: the last sampled token is never fed back)
     for r in "ABCD":
-        req = eng.get_request(r)
-        needed = req.num_prompt_tokens + req.num_output_tokens - 1
+        out = final[r]
+        needed = len(out.prompt_token_ids) + len(out.outputs[0].token_ids) - 1
         assert tr.recomputed_tokens(r) == sum(tr.chunk_sizes(r, kind=None)) - needed
 
 
 def test_q5_prefix_caching_reduces_recompute(preempt_run):
-    eng, _, _ = preempt_run
-    cached, _, _ = preemption_scenario(enable_prefix_caching=True)
+    eng, _, _, _ = preempt_run
+    cached, *_ = preemption_scenario(enable_prefix_caching=True)
     assert cached.trace.preemptions() == eng.trace.preemptions()
     for rid in "BC":
         assert cached.trace.recomputed_tokens(rid) < eng.trace.recomputed_tokens(rid)
 
 
 def test_q5_request_that_never_fits_is_refused(preempt_run):
-    eng, _, _ = preempt_run
+    eng, _, _, _ = preempt_run
     with pytest.raises(ValueError, match="could never be scheduled"):
         eng.add_request("huge", list(range(1, 41)), greedy(1))
     assert "huge" not in eng.scheduler.requests
@@ -310,7 +312,7 @@ def test_q5_admission_gate_needs_the_whole_prompt_free_then_allocates_per_chunk(
 
 # ---- Q6-Q9 (tiny model, 160-token prompt, budget 64) ------------------------------------------------------------
 def run_prompt(budget, params, after_step=None, keep_hidden=False, **kw):
-    eng = LLMEngine("tiny", max_num_batched_tokens=budget, num_gpu_blocks=32, record_inputs=True, **kw)
+    eng = TracedLLMEngine("tiny", max_num_batched_tokens=budget, num_gpu_blocks=32, record_inputs=True, **kw)
     eng.model_runner.keep_logits = True
     eng.model_runner.keep_hidden_states = keep_hidden
     eng.add_request("q", LONG_PROMPT, params)
@@ -353,7 +355,7 @@ def test_q6_later_chunks_need_chunk1_only_through_its_kv(chunked, unchunked):
     _, _, logits_c, _ = chunked
     _, _, logits_u, _ = unchunked
     assert torch.allclose(logits_c[2], logits_u[0], atol=1e-4)
-    assert chunked[0].get_request("q").output_token_ids == unchunked[0].get_request("q").output_token_ids
+    assert chunked[1][-1][0].outputs[0].token_ids == unchunked[1][-1][0].outputs[0].token_ids
 
     def zero_chunk1(eng, k):
         if k == 0:
@@ -408,7 +410,7 @@ def test_q8_each_chunk_one_lm_head_row_sampled_and_discarded_except_the_last(chu
     assert [s.inputs["discard_mask"] for s in steps] == [[True], [True], [False]]
     assert [s.num_scheduled_tokens["q"] - len(s.inputs["logits_indices"]) for s in steps] == [63, 63, 31]
     assert returned[0] == [] and returned[1] == []
-    assert returned[2][0].new_token_ids == [steps[2].inputs["sampled"][0]] == eng.get_request("q").output_token_ids[:1]
+    assert returned[2][0].new_token_ids == [steps[2].inputs["sampled"][0]] == returned[-1][0].outputs[0].token_ids[:1]
     hidden_u = unchunked[3][0]
     row63 = eng.model.compute_logits(hidden_u[63:64])
     assert torch.allclose(logits[0], row63, atol=1e-4)  # a real prediction for position 64
@@ -430,8 +432,8 @@ def test_q9_seeded_stream_untouched_by_discarded_draws():
     def record(eng, k):
         states[k] = eng.model_runner.requests["q"].generator.get_state()
 
-    eng_c, _, _, _ = run_prompt(64, params, record)
-    eng_u, _, _, _ = run_prompt(256, params)
+    _, returned_c, _, _ = run_prompt(64, params, record)
+    _, returned_u, _, _ = run_prompt(256, params)
     assert torch.equal(states[0], fresh) and torch.equal(states[1], fresh)
     assert not torch.equal(states[2], fresh)
-    assert eng_c.get_request("q").output_token_ids == eng_u.get_request("q").output_token_ids
+    assert returned_c[-1][0].outputs[0].token_ids == returned_u[-1][0].outputs[0].token_ids

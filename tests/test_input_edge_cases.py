@@ -32,18 +32,44 @@ def test_float_token_ids_are_rejected_and_numpy_ints_accepted():
     assert eng.get_request("b").prompt_token_ids == [3, 4]
 
 
-def test_stop_strings_are_tried_in_list_order(tok):
-    det = IncrementalDetokenizer(tok, SamplingParams(stop=["b", "a"]))
-    text, stop = det.update(tok.encode("xa b c", add_special_tokens=False))
-    assert stop == "b" and det.output_text == "xa "
+def test_the_stop_string_that_completes_first_wins_ties_in_list_order(tok):
+    # vLLM 0.32 check_stop_strings: what feeding one token at a time would find, whatever the list order.
+    det = IncrementalDetokenizer.from_new_request(tok, SamplingParams(stop=["b", "a"]))
+    stop = det.update(tok.encode("xa b c", add_special_tokens=False), False)
+    assert stop == "a" and det.output_text == "x"
+    det = IncrementalDetokenizer.from_new_request(tok, SamplingParams(stop=["c", "b c"]))
+    assert det.update(tok.encode("xa b c", add_special_tokens=False), False) == "c"   # both end at 6: list order
+    det = IncrementalDetokenizer.from_new_request(tok, SamplingParams(stop=["b c", "c"]))
+    assert det.update(tok.encode("xa b c", add_special_tokens=False), False) == "b c" and det.output_text == "xa "
+
+
+@pytest.mark.parametrize("stop, include, final", [(["is Paris"], False, "The capital of France "),
+                                                   (["is Paris"], True, "The capital of France is Paris"),
+                                                   (["@@@@@@@"], False, "The capital of France is Paris.")])
+def test_streamed_text_never_passes_the_stop_cut(tok, stop, include, final):
+    # vLLM's get_next_output_text: max(len(stop)) - 1 characters held back while running, released at the end.
+    ids = tok.encode("The capital of France is Paris.", add_special_tokens=False)
+    det = IncrementalDetokenizer.from_new_request(tok, SamplingParams(stop=stop, include_stop_str_in_output=include))
+    hold = 0 if include else max(map(len, stop)) - 1
+    deltas = []
+    for k, t in enumerate(ids):
+        finished = det.update([t], False) is not None or k == len(ids) - 1
+        cumulative = det.get_next_output_text(finished, delta=False)
+        deltas.append(det.get_next_output_text(finished, delta=True))
+        assert final.startswith(cumulative) and "".join(deltas) == cumulative
+        if not finished:
+            assert cumulative == det.output_text[:max(len(det.output_text) - hold, 0)]
+        else:
+            break
+    assert "".join(deltas) == det.output_text == final
 
 
 def test_stop_strings_wait_for_min_tokens(tok):
     ids = tok.encode(" one two one two", add_special_tokens=False)
-    det = IncrementalDetokenizer(tok, SamplingParams(stop=["one"], min_tokens=len(ids)))
+    det = IncrementalDetokenizer.from_new_request(tok, SamplingParams(stop=["one"], min_tokens=len(ids)))
     for t in ids:                       # never more than min_tokens tokens: no stop yet
-        assert det.update([t])[1] is None
-    assert det.update(tok.encode(" three one", add_special_tokens=False))[1] == "one"
+        assert det.update([t], False) is None
+    assert det.update(tok.encode(" three one", add_special_tokens=False), False) == "one"
     # Found only in the text added after min_tokens was passed, not in the earlier occurrences.
     assert det.output_text == " one two one two three "
 

@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minivllm import LLMEngine, SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.course.buggy_connector import BuggyOffloadConnector
 from minivllm.course.recording_connector import RecordingConnector, connector_rows
 from minivllm.distributed.kv_transfer import KVBlockStore, OffloadConnector
@@ -26,9 +27,9 @@ PREEMPT_PROMPTS = {"A": list(range(1, 13)), "B": list(range(100, 112))}
 
 def run(prompts, params, connector=None, **kw):
     """Run ``{id: prompt}`` to completion on the tiny model; returns ``(engine, {id: output token ids})``."""
-    kw.setdefault("record_trace", True)
+    traced = kw.pop("traced", True)
     kw.setdefault("num_gpu_blocks", 64)  # the default pool (thousands of blocks) only makes each step slower
-    engine = LLMEngine("tiny", kv_connector=connector, **kw)
+    engine = (TracedLLMEngine if traced else LLMEngine)("tiny", kv_connector=connector, **kw)
     for rid, p in prompts.items():
         engine.add_request(rid, p, params)
     out = engine.run_to_completion(max_steps=2000)
@@ -99,10 +100,11 @@ def test_preemption_without_prefix_caching_loads_everything_but_the_last_token(p
     engine, out = run(PREEMPT_PROMPTS, GREEDY16, conn, block_size=4, num_gpu_blocks=10, enable_prefix_caching=False)
     assert out == preempt_ref
     assert engine.num_preemptions == 1
-    b = engine.get_request("B")
-    # At resumption B had 12 + k tokens; every full block before the last token came from the store.
+    # At resumption B had 12 + k tokens; every full block before the last token came from the store (prefix
+    # caching is off, so all the tokens B had computed when it resumed were loaded).
+    resumed = next(s for s in engine.trace if "B" in s.resumed)
     assert conn.stats.num_loads["B"] == 1
-    assert conn.stats.num_loaded_blocks["B"] == (b.num_external_computed_tokens // 4) > 0
+    assert conn.stats.num_loaded_blocks["B"] == (resumed.num_computed_before["B"] // 4) > 0
 
 
 @pytest.mark.parametrize("delay", [0, 1, 3])
@@ -190,10 +192,10 @@ def test_random_workloads_match_reference(num_blocks, shared, mode, caching, bud
     prefix = list(range(200, 200 + shared))
     prompts = {r: prefix + list(range(10 * i + 1, 10 * i + 1 + 13 - shared // 2)) for i, r in enumerate("ABC")}
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    _, ref = run(prompts, params, block_size=4, enable_prefix_caching=False, record_trace=False)
+    _, ref = run(prompts, params, block_size=4, enable_prefix_caching=False, traced=False)
     conn = OffloadConnector(4, load_mode=mode)
     _, out = run(prompts, params, conn, block_size=4, num_gpu_blocks=num_blocks, enable_prefix_caching=caching,
-                 max_num_batched_tokens=budget, record_trace=False)
+                 max_num_batched_tokens=budget, traced=False)
     assert out == ref
 
 
@@ -244,7 +246,7 @@ def test_calls_are_recorded_in_the_step_they_happen():
 
 def test_abort_between_steps_is_filed_under_the_next_step():
     conn = RecordingConnector(OffloadConnector(16))
-    engine = LLMEngine("tiny", kv_connector=conn, block_size=16, num_gpu_blocks=64, record_trace=True)
+    engine = TracedLLMEngine("tiny", kv_connector=conn, block_size=16, num_gpu_blocks=64)
     engine.add_request("A", LIFECYCLE_PROMPT, GREEDY10)
     engine.add_request("B", LIFECYCLE_PROMPT[:20], GREEDY10)
     engine.step()
@@ -279,7 +281,7 @@ def test_buggy_connector_emits_a_request_that_has_no_blocks():
     run({"B": PREEMPT_PROMPTS["B"]}, GREEDY16, OffloadConnector(4, store=buggy.store), block_size=4)
     # A occupies the pool; B matches in the store but cannot be admitted for several steps.
     conn = RecordingConnector(buggy)
-    engine = LLMEngine("tiny", kv_connector=conn, block_size=4, num_gpu_blocks=8, record_trace=True)
+    engine = TracedLLMEngine("tiny", kv_connector=conn, block_size=4, num_gpu_blocks=8)
     engine.add_request("A", list(range(1, 25)), SamplingParams(temperature=0, max_tokens=3, ignore_eos=True))
     engine.add_request("B", PREEMPT_PROMPTS["B"], GREEDY16)
     engine.run_to_completion(max_steps=200)

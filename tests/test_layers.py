@@ -43,10 +43,9 @@ LAYERS: List[Tuple[str, List[str]]] = [
 ]
 LEVEL = {name: i for i, (name, _) in enumerate(LAYERS)}
 
-# Engine -> course imports that are known and scheduled to go; each names the importing file and the module.
-# llm_engine's record_trace path builds the course's SchedulerTrace until tracing becomes an observer that the
-# course registers (issue 14, "TODO(arch-engine): observer").
-ALLOWED_UPWARD = {("minivllm/engine/llm_engine.py", "minivllm.course.trace")}
+# Engine -> course imports that are known and scheduled to go, each as (importing file, module). None left: the
+# course's SchedulerTrace is a step observer that the course registers on the engine (issue 14).
+ALLOWED_UPWARD: Set[Tuple[str, str]] = set()
 
 
 def _module_name(path: Path) -> str:

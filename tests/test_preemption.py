@@ -9,7 +9,7 @@ PROMPTS = {f"r{i}": [(13 * i + 5 * j) % 500 + 1 for j in range(8 + 3 * i)] for i
 
 
 def _run(num_blocks, params, **kw):
-    eng = make_tiny_engine(block_size=4, num_gpu_blocks=num_blocks, max_num_batched_tokens=64, record_trace=True, **kw)
+    eng = make_tiny_engine(block_size=4, num_gpu_blocks=num_blocks, max_num_batched_tokens=64, traced=True, **kw)
     for rid, p in PROMPTS.items():
         eng.add_request(rid, {"prompt_token_ids": p}, params)
     outs = run_all(eng)
@@ -74,7 +74,7 @@ def test_resumed_request_recomputes_prompt_and_outputs():
 
 
 def test_priority_policy_preempts_lowest_priority():
-    eng = make_tiny_engine(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, record_trace=True,
+    eng = make_tiny_engine(block_size=4, num_gpu_blocks=12, max_num_batched_tokens=64, traced=True,
                            scheduling_policy="priority")
     for i, (rid, p) in enumerate(PROMPTS.items()):
         # r0 gets the worst (largest) priority value although it arrives first.

@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 from kv_invariants import StepChecker, check_pool, one_torch_thread
 from minivllm import LLMEngine, SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import NONE_HASH, get_request_block_hasher, hash_block_tokens
 from minivllm.request import Request
@@ -40,9 +41,9 @@ def admit(kv, req):
     return hits, new
 
 
-def tiny(**kw):
+def tiny(traced=False, **kw):
     kw.setdefault("max_model_len", 64)
-    return LLMEngine("tiny", **kw)
+    return (TracedLLMEngine if traced else LLMEngine)("tiny", **kw)
 
 
 def run(engine, prompts, params=GREEDY, arrivals=None, check=True):
@@ -144,7 +145,7 @@ def test_two_prompts_differing_in_one_middle_block():
 
 @pytest.mark.parametrize("prompt_len, expected_hit", [(1, 0), (4, 0), (5, 4), (8, 4), (9, 8), (12, 8), (13, 12)])
 def test_hit_is_capped_so_the_last_token_is_computed(prompt_len, expected_hit):
-    eng = tiny(block_size=4, num_gpu_blocks=32, record_trace=True)
+    eng = tiny(block_size=4, num_gpu_blocks=32, traced=True)
     prompt = list(range(3, 3 + prompt_len))
     eng.add_request("first", prompt, GREEDY)
     first = eng.run_to_completion()["first"]
@@ -306,7 +307,7 @@ def test_outputs_identical_under_preemption_and_resumed_requests_hit():
     outs, engines = {}, {}
     for caching in (False, True):
         eng = tiny(block_size=4, num_gpu_blocks=14, max_model_len=32, max_num_batched_tokens=16,
-                   enable_prefix_caching=caching, record_trace=True)
+                   enable_prefix_caching=caching, traced=True)
         outs[caching] = run(eng, prompts, params)
         engines[caching] = eng
     assert tokens(outs[True]) == tokens(outs[False])
@@ -408,7 +409,7 @@ def test_priority_preemption_of_a_request_scheduled_in_the_same_step():
     for caching in (False, True):
         eng = tiny(block_size=4, num_gpu_blocks=7, max_model_len=28, max_num_batched_tokens=8,
                    long_prefill_token_threshold=3, scheduling_policy="priority", enable_prefix_caching=caching,
-                   record_trace=True)
+                   traced=True)
         checker = StepChecker(eng)
         eng.add_request("low", low, SamplingParams(temperature=0, max_tokens=15), priority=3)
         eng.step()

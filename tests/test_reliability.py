@@ -6,6 +6,7 @@ import pytest
 
 from kv_invariants import StepChecker, check_pool, one_torch_thread
 from minivllm import LLMEngine, SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.model.loader import build_tiny_model, tiny_llama_config
 
 VOCAB = 512
@@ -29,10 +30,10 @@ IN_FLIGHT = {
 }
 
 
-def engine(**kw):
+def engine(traced=False, **kw):
     cfg = dict(block_size=4, num_gpu_blocks=32, max_model_len=64, max_num_batched_tokens=8, max_num_seqs=4)
     cfg.update(kw)
-    return LLMEngine("tiny", **cfg)
+    return (TracedLLMEngine if traced else LLMEngine)("tiny", **cfg)
 
 
 def token_ids(final):
@@ -227,7 +228,7 @@ def test_abort_while_waiting(caching):
 
 @pytest.mark.parametrize("caching", [False, True])
 def test_abort_mid_prefill(caching):
-    eng = engine(enable_prefix_caching=caching, record_trace=True)
+    eng = engine(enable_prefix_caching=caching, traced=True)
     eng.add_request("x", list(range(1, 30)), greedy(5))  # 29 tokens, budget 8: four chunks
     eng.step()
     for rid, (p, sp) in IN_FLIGHT.items():
@@ -273,7 +274,7 @@ def test_abort_of_unknown_or_finished_requests_is_ignored():
     eng.add_request("done", [1, 2, 3], greedy(1))
     eng.run_to_completion()
     assert eng.abort_request(["done", "never-seen"]) == []
-    assert eng.aborted == []
+    assert not eng.has_unfinished_requests() and not eng.output_processor.request_states
 
 
 # ---- liveness, FCFS progress, preemption counters ------------------------------------------------------------------
@@ -285,9 +286,9 @@ PROMPTS = [list(range(1 + 9 * i, 7 + 9 * i)) for i in range(6)]  # six 6-token p
 @pytest.mark.parametrize("caching", [False, True])
 def test_liveness_with_a_cache_that_holds_one_request(policy, chunked, caching):
     # max_model_len 16 = the whole cache (4 blocks of 4): each request can grow to fill it alone.
-    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=4, max_model_len=16,
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=4, max_model_len=16,
                     max_num_batched_tokens=16 if not chunked else 4, max_num_seqs=4, enable_chunked_prefill=chunked,
-                    enable_prefix_caching=caching, scheduling_policy=policy, record_trace=True)
+                    enable_prefix_caching=caching, scheduling_policy=policy)
     checker = StepChecker(eng)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, greedy(20), priority=i % 3)
@@ -305,8 +306,8 @@ def test_liveness_with_a_cache_that_holds_one_request(policy, chunked, caching):
 
 
 def test_fcfs_oldest_running_request_always_progresses():
-    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=6, max_model_len=24, max_num_batched_tokens=8,
-                    max_num_seqs=4, enable_prefix_caching=False, record_trace=True)
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=6, max_model_len=24, max_num_batched_tokens=8,
+                    max_num_seqs=4, enable_prefix_caching=False)
     for i, p in enumerate(PROMPTS):
         eng.add_request(f"r{i}", p, greedy(18))
     eng.run_to_completion(max_steps=2000)
@@ -325,8 +326,8 @@ def test_fcfs_oldest_running_request_always_progresses():
 
 
 def test_num_preemptions_per_request_and_per_run():
-    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=8, max_model_len=32, max_num_batched_tokens=16,
-                    enable_prefix_caching=False, record_trace=True)
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=8, max_model_len=32, max_num_batched_tokens=16,
+                    enable_prefix_caching=False)
     for i, p in enumerate(PROMPTS[:4]):
         eng.add_request(f"r{i}", p, greedy(20))
     final = eng.run_to_completion(max_steps=1000)

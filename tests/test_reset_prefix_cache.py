@@ -4,7 +4,8 @@ order and ahead of the requests already waiting, then the prefix cache is reset.
 
 import pytest
 
-from minivllm import LLM, LLMEngine, SamplingParams
+from minivllm import LLM, SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.distributed.kv_transfer import OffloadConnector
 from minivllm.request import RequestStatus
 
@@ -15,8 +16,8 @@ NUM_BLOCKS = 48
 
 
 def _engine(**kw):
-    return LLMEngine("tiny", block_size=4, num_gpu_blocks=NUM_BLOCKS, max_num_batched_tokens=24, max_num_seqs=3,
-                     record_trace=True, **kw)
+    return TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=NUM_BLOCKS, max_num_batched_tokens=24, max_num_seqs=3,
+                     **kw)
 
 
 def _start():

@@ -9,7 +9,8 @@ here).
 import pytest
 import torch
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.utils.math_utils import cdiv
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
@@ -27,13 +28,13 @@ def _one_thread():
 def engine05(budget, **kw):
     """Notebook 05's engine settings: block size 16, 64 blocks, no prefix caching, batch inputs recorded."""
     kw.setdefault("num_gpu_blocks", 64)
-    return LLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_inputs=True, **kw)
+    return TracedLLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_inputs=True, **kw)
 
 
 def engine06(num_gpu_blocks, policy="fcfs", prefix_caching=False):
     """Notebook 06's engine settings: block size 4, a small pool."""
-    return LLMEngine("tiny", block_size=4, num_gpu_blocks=num_gpu_blocks, scheduling_policy=policy,
-                     enable_prefix_caching=prefix_caching, record_trace=True)
+    return TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=num_gpu_blocks, scheduling_policy=policy,
+                     enable_prefix_caching=prefix_caching)
 
 
 def prompt(i, length):
@@ -107,16 +108,16 @@ def _seeded_run(budget, consume_discarded=False):
     eng = engine05(budget)
     eng.add_request("s", PROMPT_160, SamplingParams(temperature=1.0, seed=42, max_tokens=16))
     fresh = torch.Generator().manual_seed(42).get_state()
-    untouched = []
+    untouched, final = [], None
     while eng.has_unfinished_requests():
-        eng.step()
+        final = next((o for o in eng.step() if o.finished), final)
         inp = eng.trace[-1].inputs
         if inp["discard_mask"][0]:
             gen = eng.model_runner.requests["s"].generator
             untouched.append(torch.equal(gen.get_state(), fresh))
             if consume_discarded:
                 torch.empty(eng.vocab_size).exponential_(generator=gen)
-    return untouched, eng.get_request("s").output_token_ids
+    return untouched, final.outputs[0].token_ids
 
 
 def test_discarded_samples_leave_the_seeded_stream_untouched():
@@ -135,15 +136,16 @@ def _mix(budget, **kw):
     eng = engine05(budget, **kw)
     eng.add_request("fr", prompt(0, 37), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
     eng.add_request("sea", prompt(1, 38), SamplingParams(temperature=0, max_tokens=16, ignore_eos=True))
+    final = {}
     while eng.has_unfinished_requests():
         if len(eng.trace) == 4:
             eng.add_request("long", prompt(2, 354), SamplingParams(temperature=0, max_tokens=6))
-        eng.step()
-    return eng
+        final.update((o.request_id, o.outputs[0].token_ids) for o in eng.step() if o.finished)
+    return eng, final
 
 
 def test_long_prefill_mixed_with_decodes():
-    chunked, whole = _mix(64), _mix(1024, enable_chunked_prefill=False)
+    (chunked, chunked_out), (whole, whole_out) = _mix(64), _mix(1024, enable_chunked_prefill=False)
     assert chunked.trace.chunk_sizes("long") == [62, 62, 62, 62, 62, 44]
     assert whole.trace.chunk_sizes("long") == [354]
 
@@ -153,7 +155,7 @@ def test_long_prefill_mixed_with_decodes():
     assert largest_step_fr_waited_for(chunked) == 64
     assert largest_step_fr_waited_for(whole) == 356
     for rid in ("fr", "sea", "long"):
-        assert chunked.get_request(rid).output_token_ids == whole.get_request(rid).output_token_ids
+        assert chunked_out[rid] == whole_out[rid]
     mixed = next(s for s in chunked.trace if s.kinds.get("long") == "prefill" and s.num_computed_before["long"] > 0)
     assert mixed.step == 5
     assert mixed.inputs["req_ids"] == ["fr", "sea", "long"]
@@ -173,7 +175,7 @@ def test_long_prefill_mixed_with_decodes():
 ])
 def test_running_decodes_take_the_budget_first(prompt_len, budget, num_decoding, expected):
     """Notebook 05's exercise (predict_chunks) and its checker: the same cases, the same bounded loop."""
-    eng = LLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False, record_trace=True)
+    eng = TracedLLMEngine("tiny", max_num_batched_tokens=budget, enable_prefix_caching=False)
     for i in range(num_decoding):
         eng.add_request(f"d{i}", [7 + i], SamplingParams(temperature=0, max_tokens=1000))
     eng.step()
@@ -280,7 +282,7 @@ def _thrash_run(num_gpu_blocks=12, prefix_caching=False, seeded=False):
 def test_thrashing_costs_recomputed_tokens_but_not_output():
     eng, out = _thrash_run()
     assert eng.trace.preemptions() == [(5, "E"), (9, "E"), (13, "E"), (25, "E")]
-    assert eng.get_request("E").num_preemptions == 4
+    assert out["E"].num_preemptions == 4
     assert eng.trace.chunk_sizes("E") == [4, 9, 10, 11, 20]
     assert {r: eng.trace.recomputed_tokens(r) for r in "ABCDE"} == {"A": 0, "B": 0, "C": 0, "D": 0, "E": 46}
     # notebook 06: E needed 4 + 20 - 1 = 23 positions, was scheduled 69 tokens: 46 computed twice, 2.0x the need

@@ -16,7 +16,8 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from minivllm import LLMEngine, SamplingParams
+from minivllm import SamplingParams
+from minivllm.course.trace import TracedLLMEngine
 from minivllm.course.viz import (
     DECODE, PREEMPTED, PREFILL, WAITING, QueueAnimator, owner_colors, plot_free_blocks, plot_timeline,
     plot_tokens_per_step, render_frame_html, request_latencies, save_frame_png, timeline_states,
@@ -29,7 +30,7 @@ MAX_TOKENS = [8, 11, 14, 17, 20, 23]
 @pytest.fixture(scope="module")
 def trace():
     """Six requests into 12 blocks of 16 tokens with a 64-token budget: chunked prefill and one preemption."""
-    eng = LLMEngine("tiny", record_trace=True, num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
+    eng = TracedLLMEngine("tiny", num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
     rng = np.random.default_rng(0)
     for n, m in zip(PROMPT_LENS, MAX_TOKENS):
         eng.add_request(None, {"prompt_token_ids": rng.integers(3, 500, n).tolist()},

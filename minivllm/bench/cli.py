@@ -74,7 +74,7 @@ def _check(a) -> List[str]:
 def _load(a):
     """(model, tokenizer) in the requested dtype and device; the tokenizer is None for the tiny model."""
 
-    from minivllm.engine.llm_engine import resolve_device, resolve_dtype
+    from minivllm.engine.arg_utils import resolve_device, resolve_dtype
     from minivllm.model.loader import build_tiny_model, load_model
 
     dtype, device = resolve_dtype(a.dtype), resolve_device(a.device)

@@ -175,6 +175,10 @@ class KVCacheManager:
         """The request's block table as block ids, in position order."""
         return [b.block_id for b in self.req_to_blocks.get(request_id, [])]
 
+    def get_cached_free_block_ids(self) -> List[int]:
+        """Free blocks that still carry a prefix-cache hash (evictable, findable), in eviction order."""
+        return [b.block_id for b in self.block_pool.free_block_queue if b.block_hash is not None]
+
     @property
     def num_free_blocks(self) -> int:
         return self.block_pool.get_num_free_blocks()

@@ -47,8 +47,8 @@ class BatchingRun:
 
 
 def _check(engine: LLMEngine, prompts: Sequence[PromptType], params) -> List[SamplingParams]:
-    if not engine.record_trace:
-        raise ValueError("engine must be created with record_trace=True")
+    if not isinstance(getattr(engine, "trace", None), SchedulerTrace):
+        raise ValueError("engine must record a SchedulerTrace: create it as a TracedLLMEngine")
     if engine.has_unfinished_requests():
         raise ValueError(f"engine must be idle, it has {engine.get_num_unfinished_requests()} unfinished requests")
     if len(prompts) == 0:

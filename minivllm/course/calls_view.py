@@ -1,6 +1,6 @@
 """The queue animator with one more panel: the KV connector calls of the step on screen.
 
-Needs a run recorded with ``record_trace=True`` and a ``RecordingConnector`` (``StepRecord.connector_calls``).
+Needs a run recorded by a ``SchedulerTrace`` (``TracedLLMEngine``) and a ``RecordingConnector`` (``StepRecord.connector_calls``).
 The panel is a ``widgets.Stack`` of pre-rendered HTML tables whose ``selected_index`` is linked to the animator's
 slider in the browser (``jsdlink``), like the animator's own frames, so it also plays in exported HTML.
 """

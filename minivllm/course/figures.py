@@ -65,9 +65,10 @@ def preemption_run():
     ``tests/test_viz.py``."""
     import numpy as np
 
-    from minivllm import LLMEngine, SamplingParams
+    from minivllm import SamplingParams
+    from minivllm.course.trace import TracedLLMEngine
 
-    eng = LLMEngine("tiny", record_trace=True, num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
+    eng = TracedLLMEngine("tiny", num_gpu_blocks=12, max_num_batched_tokens=64, max_num_seqs=4)
     rng = np.random.default_rng(0)
     for n, m in zip([20, 33, 46, 59, 72, 85], [8, 11, 14, 17, 20, 23]):
         eng.add_request(None, {"prompt_token_ids": rng.integers(3, 500, n).tolist()},
@@ -79,13 +80,13 @@ def preemption_run():
 def batching_runs(batch_size: int = 4):
     """``(static, continuous)`` ``BatchingRun``s of ``mixed_requests()`` on the tiny model with
     ``max_num_seqs=batch_size``, a 256-token budget and 64 blocks (no preemption)."""
-    from minivllm import LLMEngine
+    from minivllm.course.trace import TracedLLMEngine
     from minivllm.course.batching import mixed_requests, run_continuous, run_static
 
     prompts, params = mixed_requests()
 
     def engine():
-        return LLMEngine("tiny", record_trace=True, max_num_seqs=batch_size, max_num_batched_tokens=256,
+        return TracedLLMEngine("tiny", max_num_seqs=batch_size, max_num_batched_tokens=256,
                          num_gpu_blocks=64, enable_prefix_caching=False)
 
     return run_static(engine(), prompts, params, batch_size), run_continuous(engine(), prompts, params)

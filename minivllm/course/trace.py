@@ -1,14 +1,28 @@
 """A step-by-step record of what the scheduler did: the input of every widget, plot and FAQ answer.
 
 One ``StepRecord`` per engine step, taken right after ``schedule()`` (queues, blocks, what was scheduled) and
-completed after ``update_from_output()`` (which requests finished). Nothing here is drawn by hand: every frame of
+completed when the step's outputs are final (which requests finished). Nothing here is drawn by hand: every frame of
 the course's animations is one of these records.
+
+``SchedulerTrace`` is a step observer (``minivllm.engine.core``): the engine knows nothing of it; the course registers
+it (``engine.add_step_observer(trace)``), or uses ``TracedLLMEngine``, an ``LLMEngine`` that does so itself.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from minivllm.engine.llm_engine import LLMEngine
+
+if TYPE_CHECKING:
+    from minivllm.core.sched.output import SchedulerOutput
+    from minivllm.engine.core import EngineCore
+    from minivllm.outputs import RequestOutput
+
+
+_INPUT_FIELDS = ("req_ids", "input_ids", "positions", "query_start_loc", "seq_lens", "num_computed_tokens",
+                 "block_table", "slot_mapping", "logits_indices", "discard_mask", "sampled")
 
 
 @dataclass
@@ -76,9 +90,86 @@ class StepRecord:
 
 @dataclass
 class SchedulerTrace:
-    """All steps of a run, with the queries the course asks of it."""
+    """All steps of a run, with the queries the course asks of it; also the step observer that records them.
+
+    Register it on an engine (``engine.add_step_observer(trace)``, or use ``TracedLLMEngine``) and each step
+    appends one ``StepRecord``. ``on_schedule`` snapshots the queues, requests and blocks right after
+    ``schedule()``, before the forward pass changes anything; ``on_step_end`` adds what the step produced (the
+    model runner's inputs when ``record_inputs``, a ``RecordingConnector``'s calls, the requests that finished).
+    It reads only public views: ``Scheduler.queue_snapshot`` and ``requests``, ``KVCacheManager.get_block_ids``,
+    ``num_free_blocks`` and ``get_cached_free_block_ids``, ``ModelRunner.last_inputs`` and the step's outputs.
+
+    Attributes:
+        steps: the records, one per step.
+        record_inputs: also keep each step's flattened batch (positions, slot mapping, ...) in ``StepRecord.inputs``.
+    """
 
     steps: List[StepRecord] = field(default_factory=list)
+    record_inputs: bool = False
+    _pending: Optional[StepRecord] = field(default=None, repr=False, compare=False)
+    _num_scheduled: int = field(default=0, repr=False, compare=False)
+
+    # ---- the observer (see minivllm.engine.core.StepObserver) ------------------------------------------------
+    def on_schedule(self, engine_core: "EngineCore", scheduler_output: "SchedulerOutput") -> None:
+        sched, kv, config = engine_core.scheduler, engine_core.kv_cache_manager, engine_core.vllm_config
+        so = scheduler_output
+        waiting, running = sched.queue_snapshot()
+        snaps: Dict[str, RequestSnapshot] = {}
+        for rid in waiting + running:
+            r = sched.requests[rid]
+            snaps[rid] = RequestSnapshot(
+                rid, r.status.name, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens, r.num_tokens,
+                kv.get_block_ids(rid), r.num_preemptions, r.num_cached_tokens, r.priority,
+            )
+        kinds, before = {}, {}
+        for rid, n in so.num_scheduled_tokens.items():
+            r = sched.requests[rid]
+            before[rid] = r.num_computed_tokens - n
+            is_decode = n == 1 and r.num_output_tokens > 0 and before[rid] == r.num_tokens - 1
+            kinds[rid] = "decode" if is_decode else "prefill"
+        num_gpu_blocks = config.cache_config.num_gpu_blocks
+        owners: List[List[str]] = [[] for _ in range(num_gpu_blocks)]
+        for rid, snap in snaps.items():  # every request holding blocks is in a queue
+            for b in snap.block_ids:
+                owners[b].append(rid)
+        self._num_scheduled = so.total_num_scheduled_tokens
+        self._pending = StepRecord(
+            step=len(self.steps),
+            waiting=waiting,
+            running=running,
+            num_scheduled_tokens=dict(so.num_scheduled_tokens),
+            kinds=kinds,
+            num_computed_before=before,
+            new=[n.req_id for n in so.scheduled_new_reqs],
+            resumed=sorted(so.scheduled_cached_reqs.resumed_req_ids, key=so.scheduled_cached_reqs.req_ids.index),
+            preempted=sorted(so.preempted_req_ids),
+            finished={},
+            requests=snaps,
+            num_free_blocks=kv.num_free_blocks,
+            num_gpu_blocks=num_gpu_blocks,
+            block_owners=owners,
+            cached_free_blocks=kv.get_cached_free_block_ids(),
+            token_budget=config.scheduler_config.max_num_batched_tokens,
+            max_num_seqs=config.scheduler_config.max_num_seqs,
+        )
+
+    def on_step_end(self, engine_core: "EngineCore", engine_core_outputs: Any,
+                    request_outputs: List["RequestOutput"]) -> None:
+        record, self._pending = self._pending, None
+        if record is None:  # registered in the middle of a step
+            return
+        li = engine_core.model_executor.last_inputs
+        if self.record_inputs and li is not None and self._num_scheduled:
+            record.inputs = {f: list(li.req_ids) if f == "req_ids" else getattr(li, f).tolist() for f in _INPUT_FIELDS}
+        take_calls = getattr(engine_core.vllm_config.kv_connector, "take_step_calls", None)  # a RecordingConnector
+        if take_calls is not None:
+            record.connector_calls = take_calls()
+        for o in request_outputs:
+            if o.finished:
+                record.finished[o.request_id] = o.outputs[0].finish_reason
+        self.steps.append(record)
+
+    # ---- the queries -------------------------------------------------------------------------------------------
 
     def __len__(self) -> int:
         return len(self.steps)
@@ -150,3 +241,17 @@ class SchedulerTrace:
         import pandas as pd
 
         return pd.DataFrame(self.to_rows()).set_index("step")
+
+
+class TracedLLMEngine(LLMEngine):
+    """An ``LLMEngine`` that records every step in ``self.trace`` (a ``SchedulerTrace``): the course's engine.
+
+    Args:
+        model, **engine_kwargs: as for ``LLMEngine``.
+        record_inputs: also keep each step's flattened batch in ``StepRecord.inputs``.
+    """
+
+    def __init__(self, model=None, *, record_inputs: bool = False, **engine_kwargs) -> None:
+        super().__init__(model, **engine_kwargs)
+        self.trace = SchedulerTrace(record_inputs=record_inputs)
+        self.add_step_observer(self.trace)

@@ -9,7 +9,7 @@ engine's modules (``llm_engine``, ``llm``, ...) sit above core and worker.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import List, Optional
 
 
@@ -28,3 +28,11 @@ class EngineCoreOutput:
     new_token_ids: List[int]
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+
+
+@dataclass
+class EngineCoreOutputs:
+    """What one ``EngineCore.step()`` produced: one ``EngineCoreOutput`` per request that got tokens or finished
+    (vLLM ``EngineCoreOutputs``)."""
+
+    outputs: List[EngineCoreOutput] = field(default_factory=list)

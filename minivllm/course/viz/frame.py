@@ -203,7 +203,7 @@ def render_frame_html(
     """HTML of step ``k`` of ``trace``: queues, scheduled tokens, budget, events and KV block pool.
 
     Args:
-        trace: a recorded run (``LLMEngine(..., record_trace=True).trace``).
+        trace: a recorded run (``TracedLLMEngine(...).trace``).
         k: the step, ``0 <= k < len(trace)``.
         colors: ``request id -> "#rrggbb"``; default ``owner_colors(trace)`` (stable over the whole run).
         max_blocks: draw at most this many KV blocks (the rest is summarised in one line).
@@ -220,7 +220,7 @@ def render_frame_html(
     counts tokens sampled in earlier steps.
     """
     if len(trace) == 0:
-        raise ValueError("trace is empty: run the engine with record_trace=True and step it at least once")
+        raise ValueError("trace is empty: record the run with a SchedulerTrace (a TracedLLMEngine) and step it at least once")
     if not isinstance(k, int) or not 0 <= k < len(trace):
         raise ValueError(f"k must be an int in [0, {len(trace) - 1}], got {k!r}")
     if max_blocks < 1:

@@ -67,7 +67,7 @@ def draw_frame(
     Raises ``ValueError`` for an empty trace or ``k`` outside ``[0, len(trace))``.
     """
     if len(trace) == 0:
-        raise ValueError("trace is empty: run the engine with record_trace=True and step it at least once")
+        raise ValueError("trace is empty: record the run with a SchedulerTrace (a TracedLLMEngine) and step it at least once")
     if not isinstance(k, int) or not 0 <= k < len(trace):
         raise ValueError(f"k must be an int in [0, {len(trace) - 1}], got {k!r}")
     colors = owner_colors(trace) if colors is None else colors

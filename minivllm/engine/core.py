@@ -1,0 +1,88 @@
+"""The engine core: scheduler + model runner, one step at a time (vLLM: ``vllm/v1/engine/core.py``).
+
+``EngineCore.step()`` is vLLM's: ``schedule()`` -> ``execute_model()`` -> ``update_from_output()``. It knows
+nothing of text: detokenization and stop strings happen in the ``OutputProcessor``, above it.
+
+Where minivllm differs from vLLM:
+
+* Everything runs in one process. vLLM's ``LLMEngine`` talks to the core through an ``EngineCoreClient`` (in
+  process, or over ZMQ to a busy-looping ``EngineCoreProc``); minivllm calls ``EngineCore`` directly, because the
+  course steps it by hand and inspects its scheduler and KV cache between steps.
+* ``model_executor`` is the ``ModelRunner`` itself: vLLM's executor -> worker -> model runner chain collapses to
+  its last link on one device.
+* Step observers (``step_observers``) let tools watch each step without reaching into the engine: each observer's
+  ``on_schedule(engine_core, scheduler_output)`` runs right after ``schedule()`` (before the forward pass changes
+  anything), and the ``LLMEngine`` calls ``on_step_end(engine_core, engine_core_outputs, request_outputs)`` when
+  the step's outputs are final. The course's ``SchedulerTrace`` is one. vLLM has no such hook; its closest
+  relatives are the stat loggers fed with ``SchedulerStats``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Iterable, List, Protocol
+
+from minivllm.config import VllmConfig
+from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.sched.output import SchedulerOutput
+from minivllm.core.sched.scheduler import Scheduler
+from minivllm.engine import EngineCoreOutputs
+from minivllm.request import Request, RequestStatus
+
+if TYPE_CHECKING:
+    from minivllm.outputs import RequestOutput
+
+
+class StepObserver(Protocol):
+    """Watches engine steps (see the module docstring for when each hook runs). Observers must not change state."""
+
+    def on_schedule(self, engine_core: "EngineCore", scheduler_output: SchedulerOutput) -> None: ...
+
+    def on_step_end(self, engine_core: "EngineCore", engine_core_outputs: EngineCoreOutputs,
+                    request_outputs: List["RequestOutput"]) -> None: ...
+
+
+class EngineCore:
+    """Owns the KV cache manager, the scheduler and the model runner; runs steps.
+
+    Args:
+        vllm_config: the resolved config (``EngineArgs.create_engine_config()``).
+    """
+
+    def __init__(self, vllm_config: VllmConfig) -> None:
+        from minivllm.worker.model_runner import ModelRunner
+
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        num_gpu_blocks = cache.num_gpu_blocks
+        assert num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
+        self.vllm_config = vllm_config
+        self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
+                                               cache.enable_prefix_caching)
+        self.scheduler = Scheduler(sched, self.kv_cache_manager, vllm_config.kv_connector)
+        self.model_executor = ModelRunner(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
+                                          vllm_config.seed, vllm_config.kv_connector, vllm_config.attention_backend,
+                                          vllm_config.enforce_eager)
+        self.step_observers: List[StepObserver] = []
+
+    def add_request(self, request: Request) -> None:
+        self.scheduler.add_request(request)
+
+    def abort_requests(self, request_ids: Iterable[str]) -> List[Request]:
+        """Abort requests wherever they are; unknown or finished ids are ignored. Returns the ones aborted."""
+        return self.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+
+    def finish_requests(self, request_ids: Iterable[str], finished_status: RequestStatus) -> List[Request]:
+        """Finish requests from outside the step, through the scheduler (their blocks return to the pool).
+
+        Where minivllm differs from vLLM: vLLM aborts a request that a stop string ended (its core sees
+        ``FINISHED_ABORTED``, the caller ``"stop"``); minivllm finishes it as ``FINISHED_STOPPED`` so that the
+        core's view (the KV connector's ``request_finished``, step observers) agrees with the caller's.
+        """
+        return self.scheduler.finish_requests(list(request_ids), finished_status)
+
+    def step(self) -> EngineCoreOutputs:
+        """Schedule, run the model, update the requests (vLLM ``EngineCore.step``)."""
+        scheduler_output = self.scheduler.schedule()
+        for observer in self.step_observers:
+            observer.on_schedule(self, scheduler_output)
+        model_output = self.model_executor.execute_model(scheduler_output)
+        return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output))
