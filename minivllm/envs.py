@@ -9,21 +9,42 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
   ``minivllm.model.packed_linear`` (read once, when that module is imported).
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
+* ``VLLM_USE_V2_MODEL_RUNNER`` (vLLM's own name, unset by default): ``1`` chooses Model Runner V2, ``0`` the V1
+  runner, for an engine built without an explicit ``model_runner`` argument. Unset, minivllm uses V1 (vLLM 0.32
+  would choose V2 where Triton runs, see ``SchedulerConfig``). Read when the engine's config is created.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Dict
+from typing import Any, Callable, Dict, Optional
 
 
 def _flag(name: str, default: str) -> Callable[[], bool]:
     return lambda: os.environ.get(name, default) != "0"
 
 
+def _optional_flag(name: str) -> Callable[[], Optional[bool]]:
+    """``None`` when unset or empty, else ``bool(int(value))`` (vLLM's ``maybe_convert_bool``).
+
+    Raises (when read): ``ValueError`` naming the variable if the value is not an integer."""
+
+    def read() -> Optional[bool]:
+        value = os.environ.get(name)
+        if not value:
+            return None
+        try:
+            return bool(int(value))
+        except ValueError:
+            raise ValueError(f"{name} must be 0 or 1, got {value!r}") from None
+
+    return read
+
+
 environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CPU_KERNELS": _flag("MINIVLLM_CPU_KERNELS", "1"),
     "MINIVLLM_ONEDNN_PACKING": _flag("MINIVLLM_ONEDNN_PACKING", "1"),
+    "VLLM_USE_V2_MODEL_RUNNER": _optional_flag("VLLM_USE_V2_MODEL_RUNNER"),
     "MINIVLLM_CACHE": lambda: os.environ.get(
         "MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
     ),

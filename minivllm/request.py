@@ -87,6 +87,22 @@ class Request:
         self.num_external_computed_tokens = 0
         self.num_preemptions = 0
 
+        # Async scheduling (vLLM ``request.py``, v0.32.0). ``num_computed_tokens`` runs ahead of the known tokens:
+        # it counts the steps already scheduled, whose sampled tokens are not processed yet.
+        # num_output_placeholders: tokens those steps will sample (one per scheduled non-prefill-chunk step).
+        self.num_output_placeholders = 0
+        # num_in_flight_tokens: tokens scheduled in steps whose output is not processed yet (sync: 0 at schedule).
+        self.num_in_flight_tokens = 0
+        # A request preempted with steps in flight: that output is "stale". It is still delivered (appended)
+        # when it arrives, but must not touch the counters preemption reset; drop_stale_output discards it
+        # instead (reset_prefix_cache, or a connector that must deliver its KV).
+        self.num_stale_output_tokens = 0
+        self.drop_stale_output = False
+        # After this step's tokens, the request is still short of its known tokens (plus placeholders).
+        self.is_prefill_chunk = False
+        # Sequence number of the last step that scheduled it (deferred block frees, see Scheduler).
+        self.last_sched_seq = 0
+
         self.block_hashes: List["BlockHash"] = []
         self._block_hasher = block_hasher
         if block_hasher is not None:

@@ -153,12 +153,19 @@ class KVCacheManager:
         in the same step), the blocks past ``num_computed_tokens`` would stay findable without their KV ever
         being written; their hashes are dropped first, so no later request can hit them.
         """
+        self.block_pool.free_blocks(reversed(self.pop_blocks_for_free(request)))
+
+    def pop_blocks_for_free(self, request: "Request") -> List[KVCacheBlock]:
+        """Forget the request's block table and return its blocks, in position order, *without* returning them
+        to the pool (vLLM ``KVCacheManager.pop_blocks_for_free``): the caller frees them later, in reverse order,
+        once no step in flight can still write them (deferred frees under async scheduling, see ``Scheduler``).
+        Hashes of blocks past ``num_computed_tokens`` are dropped as in ``free``."""
         blocks = self.req_to_blocks.pop(request.request_id, [])
         num_cached = self.num_cached_block.pop(request.request_id, 0)
         num_valid = request.num_computed_tokens // self.block_size
         if num_cached > num_valid:
             self.block_pool.uncache_blocks(blocks[num_valid:num_cached])
-        self.block_pool.free_blocks(reversed(blocks))
+        return blocks
 
     # -- views --------------------------------------------------------------------------------------------
     def get_blocks(self, request_id: str) -> List[KVCacheBlock]:

@@ -12,6 +12,7 @@ from typing import Any, Optional, Union
 
 import torch
 
+from minivllm import envs
 from minivllm.config import CacheConfig, SchedulerConfig, VllmConfig
 from minivllm.utils.math_utils import cdiv
 
@@ -75,6 +76,13 @@ class EngineArgs:
         attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
             ``"CPU_ATTN"``, ``"TRITON_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
         enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
+        model_runner: ``"v1"`` or ``"v2"`` (Model Runner V2, ``minivllm/worker/v2/``). ``None`` (default): vLLM's
+            ``VLLM_USE_V2_MODEL_RUNNER`` environment variable chooses (``1``: V2, ``0``: V1), V1 when it is unset.
+        async_scheduling: schedule step N+1 before step N's sampled tokens are processed (vLLM's
+            ``AsyncScheduler``; default False, as vLLM on the CPU). The tokens are the same as without.
+        scheduler_reserve_full_isl: admit a waiting request only when its whole prompt fits (default True, as
+            vLLM 0.32); False admits it when its first chunk fits. ``SchedulerConfig`` describes all three and
+            which combination is vLLM's default on a GPU and on the CPU.
     """
 
     model: Any = None
@@ -96,6 +104,20 @@ class EngineArgs:
     kv_connector: Any = None
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
+    model_runner: Optional[str] = None
+    async_scheduling: bool = False
+    scheduler_reserve_full_isl: bool = True
+
+    def _resolve_model_runner(self) -> str:
+        """``"v1"`` or ``"v2"``: ``model_runner``, else ``VLLM_USE_V2_MODEL_RUNNER``, else V1 (vLLM would pick V2
+        where Triton runs; minivllm's default is vLLM's CPU one)."""
+        runner = self.model_runner
+        if runner is None:
+            use_v2 = envs.VLLM_USE_V2_MODEL_RUNNER
+            runner = "v2" if use_v2 else "v1"
+        if runner not in ("v1", "v2"):
+            raise ValueError(f"model_runner must be 'v1' or 'v2' (or None), got {runner!r}")
+        return runner
 
     def create_engine_config(self) -> VllmConfig:
         """Load the model, resolve every default and validate: the one place an engine's settings are decided.
@@ -108,6 +130,10 @@ class EngineArgs:
         seed = self.seed
         if not isinstance(seed, int) or isinstance(seed, bool) or not 0 <= seed < 2**63:
             raise ValueError(f"seed must be an int in [0, 2**63 - 1], got {seed!r}")
+        self._resolve_model_runner()
+        for name in ("async_scheduling", "scheduler_reserve_full_isl"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes).verify()
         device = resolve_device(self.device)
         model, tokenizer = self._load_model(resolve_dtype(self.dtype), device)
@@ -148,6 +174,8 @@ class EngineArgs:
         scheduler_config = SchedulerConfig(
             max_num_batched_tokens, max_num_seqs, max_model_len, self.enable_chunked_prefill,
             self.long_prefill_token_threshold, self.scheduling_policy,
+            scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, async_scheduling=self.async_scheduling,
+            use_v2_model_runner=self._resolve_model_runner() == "v2",
         )
         scheduler_config.verify()
         cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching)

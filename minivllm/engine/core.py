@@ -10,6 +10,11 @@ Where minivllm differs from vLLM:
   course steps it by hand and inspects its scheduler and KV cache between steps.
 * ``model_executor`` is the ``ModelRunner`` itself: vLLM's executor -> worker -> model runner chain collapses to
   its last link on one device.
+* Async scheduling (``SchedulerConfig.async_scheduling``) runs vLLM's ``step_with_batch_queue`` with a queue of
+  two: schedule step N+1 and run it, then process step N's output. The forward pass runs synchronously here, so
+  the model runner already holds step N's sampled tokens when it builds step N+1's inputs (vLLM's runner copies
+  them on the GPU); what changes is the scheduler's view, exactly as in vLLM. When no request is left, the step
+  still in the queue is processed at once (its requests are all finished, so it emits nothing).
 * Step observers (``step_observers``) let tools watch each step without reaching into the engine: each observer's
   ``on_schedule(engine_core, scheduler_output)`` runs right after ``schedule()`` (before the forward pass changes
   anything), and the ``LLMEngine`` calls ``on_step_end(engine_core, engine_core_outputs, request_outputs)`` when
@@ -19,17 +24,19 @@ Where minivllm differs from vLLM:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, List, Protocol
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
 
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.sched.output import SchedulerOutput
+from minivllm.core.sched.async_scheduler import AsyncScheduler
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.engine import EngineCoreOutputs
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
-    from minivllm.outputs import RequestOutput
+    from minivllm.outputs import ModelRunnerOutput, RequestOutput
 
 
 class StepObserver(Protocol):
@@ -50,6 +57,7 @@ class EngineCore:
 
     def __init__(self, vllm_config: VllmConfig) -> None:
         from minivllm.worker.model_runner import ModelRunner
+        from minivllm.worker.v2.model_runner import ModelRunnerV2
 
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         num_gpu_blocks = cache.num_gpu_blocks
@@ -57,11 +65,16 @@ class EngineCore:
         self.vllm_config = vllm_config
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching)
-        self.scheduler = Scheduler(sched, self.kv_cache_manager, vllm_config.kv_connector)
-        self.model_executor = ModelRunner(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
+        scheduler_cls = AsyncScheduler if sched.async_scheduling else Scheduler
+        self.scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
+        runner_cls = ModelRunnerV2 if sched.use_v2_model_runner else ModelRunner
+        self.model_executor = runner_cls(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
                                           vllm_config.seed, vllm_config.kv_connector, vllm_config.attention_backend,
                                           vllm_config.enforce_eager)
         self.step_observers: List[StepObserver] = []
+        # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
+        self.batch_queue_size = 2 if sched.async_scheduling else 1
+        self.batch_queue: Deque[Tuple[SchedulerOutput, "ModelRunnerOutput"]] = deque()
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
@@ -80,9 +93,36 @@ class EngineCore:
         return self.scheduler.finish_requests(list(request_ids), finished_status)
 
     def step(self) -> EngineCoreOutputs:
-        """Schedule, run the model, update the requests (vLLM ``EngineCore.step``)."""
+        """Schedule, run the model, update the requests (vLLM ``EngineCore.step``); under async scheduling,
+        ``step_with_batch_queue``."""
+        if self.batch_queue_size > 1:
+            return self.step_with_batch_queue()
+        scheduler_output = self._schedule()
+        model_output = self.model_executor.execute_model(scheduler_output)
+        return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output))
+
+    def step_with_batch_queue(self) -> EngineCoreOutputs:
+        """vLLM ``EngineCore.step_with_batch_queue`` (v0.32.0): while the queue has room and requests remain,
+        schedule and run a step and return without output; otherwise process the oldest step in the queue. The
+        outputs returned belong to that older step."""
+        queue = self.batch_queue
+        if self.scheduler.has_unfinished_requests():
+            scheduler_output = self._schedule()
+            queue.appendleft((scheduler_output, self.model_executor.execute_model(scheduler_output)))
+            executed = scheduler_output.total_num_scheduled_tokens > 0
+            if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_unfinished_requests()):
+                return EngineCoreOutputs([])
+        elif not queue:
+            return EngineCoreOutputs([])
+        outputs = self.scheduler.update_from_output(*queue.pop())
+        while queue and not self.scheduler.has_unfinished_requests():
+            # Nothing left to schedule: the step still queued holds finished requests only; process it now so
+            # that no step is left behind (vLLM's busy loop would do so at once).
+            outputs += self.scheduler.update_from_output(*queue.pop())
+        return EngineCoreOutputs(outputs)
+
+    def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()
         for observer in self.step_observers:
             observer.on_schedule(self, scheduler_output)
-        model_output = self.model_executor.execute_model(scheduler_output)
-        return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output))
+        return scheduler_output

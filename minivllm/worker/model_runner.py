@@ -6,12 +6,15 @@ Per step: update the per-request state and the ``InputBatch``'s block table from
 the attention backend's builder turn it into the backend's metadata, run the model, compute logits only at
 ``logits_indices`` (the last scheduled token of each request), sample, and return one token per request, or
 ``[]`` for a request whose step was a partial prefill.
+
+This is vLLM's V1 model runner. Model Runner V2 (``minivllm/worker/v2/model_runner.py``) subclasses it and
+changes the request state and the sampling (``_update_states``, ``_sample``).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional
+from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -224,7 +227,7 @@ class ModelRunner:
             return ModelRunnerOutput([], {}, [], finished_recving, finished_sending)
 
         inputs = self._prepare_inputs(so)
-        req_ids, states, input_ids, discard = inputs.req_ids, inputs.states, inputs.input_ids, inputs.discard
+        req_ids, input_ids = inputs.req_ids, inputs.input_ids
         cm, md = inputs.common_attn_metadata, inputs.attn_metadata
         if self.model.attn_backend is not self.attn_backend:
             self.model.set_attention_backend(self.attn_backend)  # another engine shares this model
@@ -248,6 +251,34 @@ class ModelRunner:
         logits_indices = inputs.logits_indices
         logits = self.model.compute_logits(hidden[logits_indices])
 
+        sampled, out_ids, discard = self._sample(inputs, logits)
+
+        self.last_inputs = StepInputs(
+            req_ids=req_ids,
+            input_ids=input_ids,
+            positions=cm.positions,
+            query_start_loc=cm.query_start_loc,
+            seq_lens=cm.seq_lens,
+            num_computed_tokens=torch.tensor(cm.num_computed_tokens_cpu, device=self.device),
+            block_table=cm.block_table_tensor,
+            slot_mapping=cm.slot_mapping,
+            logits_indices=logits_indices,
+            discard_mask=torch.tensor(discard),
+            logits=logits if self.keep_logits else None,
+            sampled=sampled,
+            hidden_states=hidden if self.keep_hidden_states else None,
+        )
+        return ModelRunnerOutput(
+            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending
+        )
+
+    def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> Tuple[torch.Tensor, List[List[int]], List[bool]]:
+        """Sample one token per row and keep the ones that count (the V1 runner's way).
+
+        Returns ``(sampled int64 [R], out_ids, discarded)``: ``out_ids[i]`` is ``[token]``, or ``[]`` where the row
+        was a partial prefill (``discarded[i]``); kept tokens are appended to the runner's own request state.
+        """
+        states, discard = inputs.states, inputs.discard
         # Partial prefills are sampled too (simpler than masking them out of the batch, as in vLLM) and their
         # token discarded. A seeded request's generator is restored afterwards, so the discarded draw leaves its
         # random stream untouched: the first real token is the same whether or not the prompt was chunked.
@@ -271,22 +302,4 @@ class ModelRunner:
             else:
                 s.token_ids.append(sampled_list[i])
                 out_ids.append([sampled_list[i]])
-
-        self.last_inputs = StepInputs(
-            req_ids=req_ids,
-            input_ids=input_ids,
-            positions=cm.positions,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            num_computed_tokens=torch.tensor(cm.num_computed_tokens_cpu, device=self.device),
-            block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping,
-            logits_indices=logits_indices,
-            discard_mask=torch.tensor(discard),
-            logits=logits if self.keep_logits else None,
-            sampled=sampled,
-            hidden_states=hidden if self.keep_hidden_states else None,
-        )
-        return ModelRunnerOutput(
-            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending
-        )
+        return sampled, out_ids, discard

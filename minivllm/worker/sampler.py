@@ -6,6 +6,10 @@ exist; EOS also with ``ignore_eos``, because vLLM's ``MinTokensLogitsProcessor``
 exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw from ``p``. A request with a
 ``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
 the batch.
+
+Under Model Runner V2 (``SamplingMetadata.seeds`` set) the draw is stateless instead: Gumbel-max with noise hashed
+from the request's seed and the sampled position (``minivllm/worker/v2/gumbel.py``); every request has a seed
+there (a random one when ``SamplingParams.seed`` is ``None``).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import List, Optional
 import torch
 
 from minivllm.sampling_params import SamplingParams
+from minivllm.worker.v2.gumbel import gumbel_sample
 
 
 @dataclass
@@ -28,6 +33,8 @@ class SamplingMetadata:
         num_output_tokens: tokens each request has generated so far (for ``min_tokens``).
         eos_token_ids: each request's EOS id (or ``None``).
         all_greedy: every row is greedy and no row needs ``min_tokens`` masking (the fast path).
+        seeds / positions: Model Runner V2 only: each row's seed and the position of the token whose logits it
+            is (the last scheduled one); random rows then draw by Gumbel-max from them, not from a generator.
     """
 
     params: List[SamplingParams]
@@ -35,6 +42,8 @@ class SamplingMetadata:
     num_output_tokens: List[int]
     eos_token_ids: List[Optional[int]]
     all_greedy: bool
+    seeds: Optional[List[int]] = None
+    positions: Optional[List[int]] = None
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -96,6 +105,10 @@ class Sampler:
                 out[i] = row.argmax()
                 continue
             row = apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p)
+            if md.seeds is not None and md.positions is not None:
+                seed_pos = torch.tensor([[md.seeds[i]], [md.positions[i]]], dtype=torch.long, device=row.device)
+                out[i] = gumbel_sample(row[None], seed_pos[0], seed_pos[1])[0]
+                continue
             probs = row.softmax(-1)
             gen = md.generators[i] or self.shared_generator
             q = torch.empty_like(probs).exponential_(generator=gen)

@@ -11,11 +11,11 @@ engine's ``Scheduler`` (``schedule`` / ``update_from_output``), ``SchedulerOutpu
   ``ModelRunnerOutput``s, as on vLLM's side (a random-weight model is built only because ``LLMEngine`` needs one;
   it never runs).
 
-Modes minivllm cannot run yet (the V2 model runner, async scheduling) are reported by ``unsupported_reason``: a
-mode runs as soon as ``LLMEngine`` accepts ``model_runner="v2"`` / ``async_scheduling=True``. For the async modes
-the engine's ``Scheduler`` is then driven as vLLM's ``AsyncScheduler`` is: ``schedule()`` for step n+1 is called
-before ``update_from_output`` of step n, and a request samples in a step when, right after ``schedule()``,
-``num_computed_tokens >= num_tokens + num_output_placeholders`` (vLLM's ``not request.is_prefill_chunk``).
+Every mode runs on the engine built with the mode's ``model_runner`` / ``async_scheduling`` (modes an engine would
+not accept are reported by ``unsupported_reason``). In the async modes the engine's scheduler is minivllm's
+``AsyncScheduler``, driven as vLLM's is: ``schedule()`` for step n+1 is called before ``update_from_output`` of
+step n, and a request samples in a step when, right after ``schedule()``, it is not a prefill chunk
+(``request.is_prefill_chunk``, the same attribute vLLM's side reads).
 """
 
 from __future__ import annotations
@@ -46,6 +46,10 @@ class EventRecordingConnector(KVConnectorBase):
     def __init__(self, events: List[Dict[str, Any]]) -> None:
         super().__init__()
         self.events = events
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False  # as vLLM's RecordingKVConnector: nothing is handed off
 
     def _rec(self, call: str, side: str, **info: Any) -> None:
         self.events.append({"kind": "connector", "call": call, "side": side, **info})
@@ -243,10 +247,9 @@ class _ScriptedAdapter:
         return list(so.num_scheduled_tokens)
 
     def will_sample(self, rid):
-        # Right after schedule(): the step reaches the end of the known sequence (plus any output placeholders
-        # of async scheduling), as vLLM's is_prefill_chunk says on its side.
-        r = self.sched.requests[rid]
-        return r.num_computed_tokens >= r.num_tokens + getattr(r, "num_output_placeholders", 0)
+        # Right after schedule(): the step reaches the end of the known sequence (plus the output placeholders
+        # of the steps before it under async scheduling), as on vLLM's side.
+        return not self.sched.requests[rid].is_prefill_chunk
 
     def make_output(self, so, sampled):
         from minivllm.outputs import ModelRunnerOutput

@@ -10,13 +10,22 @@ from minivllm.sampling_params import SamplingParams
 
 @dataclass
 class NewRequestData:
-    """A request the model runner has not seen (or must rebuild): sent with its full prompt and block table."""
+    """A request the model runner has not seen (or must rebuild): sent with its full prompt and block table.
+
+    ``prefill_token_ids`` (Model Runner V2 only, as in vLLM 0.32): every token the runner must know, i.e. the
+    prompt plus the outputs so far when a preempted request resumes as new; ``None`` under the V1 runner.
+    """
 
     req_id: str
     prompt_token_ids: List[int]
     sampling_params: SamplingParams
     block_ids: List[int]
     num_computed_tokens: int
+    prefill_token_ids: Optional[List[int]] = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
 
 
 @dataclass
@@ -24,7 +33,9 @@ class CachedRequestData:
     """Requests the runner already holds state for: only what changed since the last step.
 
     ``resumed_req_ids`` are requests coming back after preemption: for them ``new_block_ids`` is the *whole*
-    new block table and ``all_token_ids`` carries prompt + outputs so far (vLLM sends the same).
+    new block table. ``all_token_ids`` carries prompt + outputs so far for every request the model runner did not
+    see in the previous step (a resumed one, or one that skipped a step), and only under the V1 model runner
+    (vLLM 0.32 sends the same; under V2 a resumed request comes as a ``NewRequestData`` instead).
     """
 
     req_ids: List[str] = field(default_factory=list)

@@ -12,14 +12,24 @@ under FCFS (the victim is always the last running request, so nobody is behind i
 it goes on (``continue``) with the requests behind it: the self-preempted request was the worst one and has
 just freed all its blocks, so they may well fit, and leaving them idle for a step gains nothing.
 ``tests/core/test_scheduler.py::test_priority_self_preemption_continues_with_the_requests_behind`` pins it.
+
+Steps in flight (async scheduling, ``AsyncScheduler``): the bookkeeping vLLM 0.32 keeps in the base class lives
+here too, and costs nothing when scheduling is synchronous (every step's output is processed before the next
+``schedule()``): ``Request.num_in_flight_tokens``, stale output of a request preempted with a step in flight, and
+deferred block frees. With a KV connector (minivllm's connectors play both roles, so each is a "KV consumer" in
+vLLM's terms) and async scheduling, the blocks of a request freed while a step that scheduled it is in flight go
+back to the pool only once that step's output is processed (vLLM: ``defer_block_free``, "a step may still be
+writing a freed request's KV blocks"); such a request cannot be a preemption victim until then.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Set, Tuple
+from collections import deque
+from typing import TYPE_CHECKING, Deque, Dict, Iterable, List, Optional, Set, Tuple
 
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
+from minivllm.core.kv_cache_utils import KVCacheBlock
 from minivllm.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
 from minivllm.core.sched.request_queue import create_request_queue
 from minivllm.core.sched.utils import check_stop
@@ -68,6 +78,19 @@ class Scheduler:
         # SchedulerOutput.preempted_req_ids (vLLM keeps every preemption in a set of this name).
         self.reset_preempted_req_ids: Set[str] = set()
         self.stats = SchedulerStats()
+        self.use_v2_model_runner = scheduler_config.use_v2_model_runner
+        # V1 runner only: a cached request not scheduled in the previous step gets its all_token_ids again
+        # (vLLM's prev_step_scheduled_req_ids; the V2 runner keeps every request's tokens itself).
+        self.prev_step_scheduled_req_ids: Set[str] = set()
+        # Deferred block frees (vLLM 0.32: only with steps in flight and a connector that loads KV).
+        self.defer_block_free = bool(
+            scheduler_config.async_scheduling and connector is not None and connector.is_kv_consumer
+        )
+        # A preempted request's in-flight output is dropped, not delivered (vLLM: requires_kv_delivery).
+        self.requires_kv_delivery = bool(connector is not None and connector.requires_kv_delivery)
+        self.sched_step_seq = 0  # non-empty steps scheduled
+        self.processed_step_seq = 0  # non-empty steps whose output was processed
+        self.deferred_frees: Deque[Tuple[int, List[KVCacheBlock]]] = deque()
 
     # ---------------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -91,8 +114,13 @@ class Scheduler:
            until it fits or the request has preempted itself.
         2. Waiting loop, *only if nobody was preempted in this step*: admit requests in queue order while budget,
            ``max_num_seqs`` and blocks allow. The first request that does not fit stops the loop (no
-           overtaking). A waiting request is admitted only if blocks for its whole current sequence are free.
+           overtaking). With ``scheduler_reserve_full_isl`` (the default) a waiting request is admitted only if
+           blocks for its whole current sequence are free; without it, when its first chunk fits.
         3. ``num_computed_tokens`` of every scheduled request is advanced now, at schedule time.
+
+        Under async scheduling a running request wants ``num_tokens + num_output_placeholders -
+        num_computed_tokens`` tokens, and one whose placeholders already reach ``max_tokens`` is skipped (vLLM's
+        check at the top of the running loop). Under the V2 model runner, resumed requests are sent as new ones.
 
         The assertions at the end (budget and ``max_num_seqs`` never exceeded) are the invariants vLLM asserts.
         """
@@ -114,21 +142,39 @@ class Scheduler:
         i = 0
         while i < len(self.running) and token_budget > 0:
             request = self.running[i]
-            n = request.num_tokens - request.num_computed_tokens
+            placeholders = request.num_output_placeholders
+            if (
+                placeholders > 0
+                and request.max_tokens is not None
+                and request.num_computed_tokens + 2 - placeholders >= request.num_prompt_tokens + request.max_tokens
+            ):
+                # Async scheduling: the steps in flight already sample its last allowed token (vLLM 0.32's check;
+                # computed + 2 - placeholders is the token count once they are processed, for placeholders <= 1).
+                i += 1
+                continue
+            n = request.num_tokens + placeholders - request.num_computed_tokens
             if 0 < long_prefill_token_threshold < n:
                 n = long_prefill_token_threshold
-            # No position may reach max_model_len. vLLM caps at max_model_len - 1 - computed to leave room for
-            # speculative tokens; minivllm has none, and that extra -1 would starve the last chunk of a prompt
-            # of exactly max_model_len tokens forever (n == 0 every step).
-            n = min(n, token_budget, self.max_model_len - request.num_computed_tokens)
+            # No position may reach max_model_len, and a step that samples needs a position for its token: vLLM
+            # caps at max_model_len - computed - 1 always. minivllm drops the -1 when no output is pending, so a
+            # prompt of exactly max_model_len tokens (vLLM rejects it at input) still gets its last chunk. With
+            # placeholders the -1 is what stops async scheduling at max_model_len, as in vLLM.
+            n = min(n, token_budget, self.max_model_len - request.num_computed_tokens - (1 if placeholders else 0))
             if n <= 0:
                 i += 1
                 continue
+            blocked = False
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, n)
                 if new_blocks is not None:
                     break
                 victim = self._pick_victim()
+                if not self._request_blocks_can_be_freed(victim):
+                    # Its blocks would only come back once its step in flight is processed: preempting it now
+                    # frees nothing, so vLLM stops the running loop here (scheduler.py, "A deferred free will
+                    # not help with immediate allocation").
+                    blocked = True
+                    break
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
                 if victim_index < i:  # priority: the victim was already visited in this step
@@ -137,12 +183,12 @@ class Scheduler:
                     token_budget += num_scheduled_tokens.pop(victim.request_id)
                     new_block_ids.pop(victim.request_id, None)
                     running_scheduled.remove(victim)
-                self._preempt_request(victim)
+                self._preempt_request(victim, drop_stale_output=self.requires_kv_delivery)
                 preempted_reqs.append(victim)
                 if victim is request:
                     break
             if new_blocks is None:
-                if self.policy == "priority":
+                if self.policy == "priority" and not blocked:
                     # Deviation from vLLM 0.32, which breaks here for both policies (see the module docstring):
                     # the request preempted itself and freed its blocks; the requests behind it may still fit.
                     continue
@@ -162,6 +208,11 @@ class Scheduler:
                     if not self._update_waiting_for_remote_kv(request):
                         step_skipped_waiting.append(self.waiting.pop_request())
                         continue
+                if request.num_stale_output_tokens and not request.drop_stale_output:
+                    # Preempted with a step in flight whose output will still be delivered: resuming now could
+                    # sample again a position that output fills (vLLM 0.32 skips it the same way).
+                    step_skipped_waiting.append(self.waiting.pop_request())
+                    continue
                 num_external_computed_tokens, load_kv_async = 0, False
                 did_prefix_cache_lookup = request.num_computed_tokens == 0
                 if did_prefix_cache_lookup:
@@ -192,7 +243,7 @@ class Scheduler:
                     num_new_tokens,
                     num_new_computed_tokens=num_new_local_computed_tokens + num_external_computed_tokens,
                     new_computed_blocks=new_computed_blocks,
-                    full_sequence_must_fit=True,
+                    full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                     delay_cache_blocks=load_kv_async,
                 )
                 if new_blocks is None:
@@ -236,6 +287,11 @@ class Scheduler:
         assert len(running_scheduled) + len(new_reqs) + len(resumed_reqs) == len(num_scheduled_tokens)
 
         # 3. the output ---------------------------------------------------------------------------------
+        if self.use_v2_model_runner:
+            # Model Runner V2 rebuilds a resumed request from scratch: it is sent as new, with all its tokens so
+            # far as the prompt (vLLM 0.32 scheduler.py: scheduled_new_reqs.extend(scheduled_resumed_reqs)).
+            new_reqs.extend(resumed_reqs)
+            resumed_reqs = []
         cached = CachedRequestData()
         for r in running_scheduled + resumed_reqs:
             cached.req_ids.append(r.request_id)
@@ -243,15 +299,21 @@ class Scheduler:
             cached.num_computed_tokens.append(r.num_computed_tokens)
             if r in resumed_reqs:
                 cached.resumed_req_ids.add(r.request_id)
+            if not self.use_v2_model_runner and r.request_id not in self.prev_step_scheduled_req_ids:
+                # The V1 runner may have dropped a request it did not see in the previous step (a resumed one, or
+                # one that skipped a step): vLLM sends its tokens again.
                 cached.all_token_ids[r.request_id] = list(r.all_token_ids)
+        if not self.use_v2_model_runner:
+            self.prev_step_scheduled_req_ids = set(num_scheduled_tokens)
         output = SchedulerOutput(
             scheduled_new_reqs=[
                 NewRequestData(
                     r.request_id,
-                    list(r.all_token_ids),
+                    list(r.prompt_token_ids),
                     r.sampling_params,
                     new_block_ids[r.request_id],
                     r.num_computed_tokens,
+                    list(r.all_token_ids) if self.use_v2_model_runner else None,
                 )
                 for r in new_reqs
             ],
@@ -264,6 +326,8 @@ class Scheduler:
         if self.connector is not None:
             # Once per schedule() call, even when nothing was scheduled (vLLM scheduler.py, build_connector_meta).
             output.kv_connector_metadata = self.connector.build_connector_meta(output)
+        if self.defer_block_free and total > 0:
+            self.sched_step_seq += 1  # only steps that write KV fence deferred frees
         self._update_after_schedule(output)
         self.stats.num_steps += 1
         self.stats.num_preemptions += len(preempted_reqs)
@@ -275,25 +339,59 @@ class Scheduler:
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
 
-    def _preempt_request(self, request: Request) -> None:
+    def _preempt_request(self, request: Request, drop_stale_output: bool = False) -> None:
         """Preemption by recompute (vLLM ``Scheduler._preempt_request``).
 
         Frees all blocks, resets ``num_computed_tokens`` to 0 and puts the request at the front of the waiting
         queue (FCFS; priority re-inserts it by priority). Its prompt *and generated tokens* are kept: on
         re-admission all of them are prefilled again (prefix-cache hits can skip full blocks still cached).
+
+        Under async scheduling the output of its steps still in flight becomes *stale*: it is delivered when it
+        arrives (the tokens are appended; a stop still finishes the request) unless ``drop_stale_output``, and
+        the request is not resumed before that (the waiting loop skips it). Its placeholders are dropped.
         """
-        self.kv_cache_manager.free(request)
+        self._free_request_blocks(request)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
+        # An undrained stale share that was already to be dropped stays dropped (its positions were resampled).
+        request.drop_stale_output = drop_stale_output or (
+            request.drop_stale_output and request.num_stale_output_tokens > 0
+        )
+        request.num_stale_output_tokens = request.num_in_flight_tokens
+        request.num_output_placeholders = 0
         request.num_preemptions += 1
         self.waiting.prepend_request(request)
 
     def _update_after_schedule(self, output: SchedulerOutput) -> None:
         # Advance now, so the next schedule() could already give the next chunk (vLLM does the same).
         for req_id, n in output.num_scheduled_tokens.items():
-            self.requests[req_id].num_computed_tokens += n
+            request = self.requests[req_id]
+            request.num_computed_tokens += n
+            request.num_in_flight_tokens += n
+            request.last_sched_seq = self.sched_step_seq
+            request.is_prefill_chunk = request.num_computed_tokens < (
+                request.num_tokens + request.num_output_placeholders
+            )
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
+
+    # -- block frees, deferred while a step in flight may still write the blocks --------------------------------
+    def _request_blocks_can_be_freed(self, request: Request) -> bool:
+        return not self.defer_block_free or request.last_sched_seq <= self.processed_step_seq
+
+    def _free_request_blocks(self, request: Request) -> None:
+        if self._request_blocks_can_be_freed(request):
+            self.kv_cache_manager.free(request)
+            return
+        blocks = self.kv_cache_manager.pop_blocks_for_free(request)
+        if blocks:
+            self.deferred_frees.append((self.sched_step_seq, blocks))
+
+    def _drain_deferred_frees(self) -> None:
+        """Return the deferred blocks whose fencing step has been processed, last block first."""
+        while self.deferred_frees and self.deferred_frees[0][0] <= self.processed_step_seq:
+            _, blocks = self.deferred_frees.popleft()
+            self.kv_cache_manager.block_pool.free_blocks(reversed(blocks))
 
     def _release_blocks_of_waiting_requests(self, keep: Request) -> None:
         """Deadlock guard for async connector loads: free the blocks that waiting requests hold.
@@ -338,38 +436,65 @@ class Scheduler:
 
         The connector's transfer reports are checked first (see ``_check_kv_xfer_reports``).
 
+        Under async scheduling the output may belong to a step scheduled before the request finished (nothing is
+        emitted for it) or was preempted (stale output: delivered, or dropped with ``drop_stale_output``; a
+        stop in it finishes the request from the waiting queue).
+
         Raises:
             RuntimeError: a transfer report that vLLM would assert on; raised before any state changes.
         """
         self._check_kv_xfer_reports(model_runner_output)
+        if self.defer_block_free and scheduler_output.total_num_scheduled_tokens > 0:
+            # Every write of this step and the earlier ones is done: their deferred blocks may go back.
+            self.processed_step_seq += 1
+            self._drain_deferred_frees()
         outputs: List[EngineCoreOutput] = []
-        stopped: List[Request] = []
+        stopped_running: List[Request] = []
+        stopped_waiting: List[Request] = []
         sampled = model_runner_output.sampled_token_ids
-        for req_id in scheduler_output.num_scheduled_tokens:
+        for req_id, num_tokens_scheduled in scheduler_output.num_scheduled_tokens.items():
             request = self.requests.get(req_id)
+            output_is_stale = False
+            if request is not None:
+                request.num_in_flight_tokens -= num_tokens_scheduled
+                if request.num_stale_output_tokens > 0:  # drained in step order
+                    output_is_stale = True
+                    request.num_stale_output_tokens -= num_tokens_scheduled
+                    assert request.num_stale_output_tokens >= 0
             if request is None or request.is_finished():
-                continue  # aborted while the step ran
+                continue  # finished or aborted while the step ran
+            if output_is_stale and request.drop_stale_output:
+                continue
             new_ids = sampled[model_runner_output.req_id_to_index[req_id]]
-            done = False
-            kept: List[int] = []
-            for tok in new_ids:
-                request.append_output_token_ids([tok])
-                kept.append(tok)
-                if check_stop(request, self.max_model_len):
-                    done = True
-                    break
+            if not new_ids:
+                continue  # a partial prefill
+            status_before = request.status
+            kept, done = self._update_request_with_output(request, list(new_ids), is_stale=output_is_stale)
             if done:
-                stopped.append(request)
+                (stopped_running if status_before == RequestStatus.RUNNING else stopped_waiting).append(request)
                 self._free_request(request)
-            if kept or done:
-                outputs.append(EngineCoreOutput(req_id, kept, request.get_finished_reason(), request.stop_reason))
-        if stopped:
-            ids = {id(r) for r in stopped}
+            outputs.append(EngineCoreOutput(req_id, kept, request.get_finished_reason(), request.stop_reason))
+        if stopped_running:
+            ids = {id(r) for r in stopped_running}
             self.running = [r for r in self.running if id(r) not in ids]
+        if stopped_waiting:  # rare: stale output of a preempted request stopped it
+            self.waiting.remove_requests(stopped_waiting)
         for req_id in model_runner_output.finished_recving or ():
             if req_id in self.requests:  # checked above: it is WAITING_FOR_REMOTE_KVS
                 self.finished_recving_kv_req_ids.add(req_id)
         return outputs
+
+    def _update_request_with_output(
+        self, request: Request, new_token_ids: List[int], is_stale: bool = False
+    ) -> Tuple[List[int], bool]:
+        """Append sampled tokens one by one until one stops the request (vLLM
+        ``Scheduler._update_request_with_output``). Returns ``(tokens kept, stopped)``; tokens after the stop are
+        dropped. ``is_stale`` is used by ``AsyncScheduler``."""
+        for k, tok in enumerate(new_token_ids, 1):
+            request.append_output_token_ids([tok])
+            if check_stop(request, self.max_model_len):
+                return new_token_ids[:k], True
+        return new_token_ids, False
 
     def _check_kv_xfer_reports(self, model_runner_output: ModelRunnerOutput) -> None:
         """Reject transfer reports for live requests that are not waiting for them (vLLM 0.32
@@ -421,7 +546,7 @@ class Scheduler:
     def _free_request(self, request: Request) -> None:
         if self.connector is not None:
             self.connector.request_finished(request, self.kv_cache_manager.get_block_ids(request.request_id))
-        self.kv_cache_manager.free(request)
+        self._free_request_blocks(request)
         self.finished_req_ids.add(request.request_id)
         self.finished_recving_kv_req_ids.discard(request.request_id)
         del self.requests[request.request_id]
@@ -450,11 +575,22 @@ class Scheduler:
                     f"asynchronous connector load ({', '.join(f'{r.request_id!r} {r.status.name}' for r in holders)}); "
                     "preempting the running requests would not free them. Nothing was changed."
                 )
+            in_flight = [r.request_id for r in self.running if not self._request_blocks_can_be_freed(r)]
+            if in_flight or self.deferred_frees:
+                raise RuntimeError(
+                    "reset_prefix_cache(reset_running_requests=True): blocks of "
+                    f"{', '.join(map(repr, in_flight)) or 'finished requests'} are still written by a step in flight "
+                    "(async scheduling with a KV connector defers their free); process that step's output first. "
+                    "Nothing was changed. (vLLM raises too, after preempting.)"
+                )
             while self.running:
                 request = self.running.pop()
-                self._preempt_request(request)
+                # Preempted and possibly resumed in the same step: output still in flight is dropped, not
+                # delivered (it would arrive after the resumed request resampled those positions).
+                self._preempt_request(request, drop_stale_output=True)
                 self.reset_preempted_req_ids.add(request.request_id)
                 self.stats.num_preemptions += 1
+            self.prev_step_scheduled_req_ids = set()
         ok = self.kv_cache_manager.reset_prefix_cache()
         assert ok or not reset_running_requests, "every block should be free after preempting all requests"
         return ok

@@ -67,6 +67,20 @@ class KVConnectorBase(ABC):
         """
         return False, None
 
+    @property
+    def is_kv_consumer(self) -> bool:
+        """Whether this connector may load KV into blocks (vLLM: ``KVTransferConfig.is_kv_consumer``, True for the
+        roles ``kv_consumer`` and ``kv_both``). minivllm's connector plays both roles, so True by default. Under
+        async scheduling it makes the scheduler defer block frees (see ``Scheduler``)."""
+        return True
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """Whether a request preempted with a step in flight must drop that step's output rather than deliver it
+        (vLLM: ``KVConnectorBase_V1.requires_kv_delivery``, default: the producer role, True for ``kv_both``).
+        A connector that hands nothing off may return False."""
+        return True
+
     # ---- worker side ----------------------------------------------------------------------------------------
     def bind_connector_metadata(self, metadata: Optional[KVConnectorMetadata]) -> None:
         """Before the step runs: hand this step's metadata (from ``build_connector_meta``) to the worker side."""
