@@ -125,6 +125,13 @@ def build_error() -> Optional[str]:
     return _state["error"]
 
 
+def use_cpu_kernels(device: torch.device | str, dtype: torch.dtype) -> bool:
+    """Whether a model on ``device`` in ``dtype`` should run these kernels: bfloat16 on the CPU, kernels enabled
+    (``MINIVLLM_CPU_KERNELS``) and built. Asked once per model runner (its attention backend and the model's
+    ``CustomOp`` layers), not per call."""
+    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and enabled() and load()
+
+
 def usable(x: torch.Tensor) -> bool:
     """True when the model should call the kernels for activations like ``x``: bfloat16 on the CPU, kernels
     enabled and built, no autograd (the kernels have no backward)."""

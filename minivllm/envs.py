@@ -4,8 +4,8 @@ Each variable is read when it is accessed (``envs.MINIVLLM_CPU_KERNELS``), not a
 sets one before building an engine gets its value, as in vLLM. Nothing here writes to ``os.environ``.
 
 * ``MINIVLLM_CPU_KERNELS`` (default ``1``): ``0`` keeps bfloat16 on the CPU on PyTorch operators instead of
-  minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model runner chooses its attention backend and
-  when a layer decides whether to call a kernel.
+  minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is
+  built (its attention backend and its ``CustomOp`` layers' implementation), never per call.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
   ``minivllm.model.packed_linear`` (read once, when that module is imported).
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.

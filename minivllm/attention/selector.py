@@ -7,7 +7,7 @@ from typing import Dict, Optional, Type
 
 import torch
 
-from minivllm import custom_ops, envs
+from minivllm import custom_ops
 from minivllm.attention.backend import AttentionBackend
 from minivllm.attention.backends.cpu_attn import CPUAttentionBackend
 from minivllm.attention.backends.reference import ReferenceAttentionBackend
@@ -43,7 +43,7 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[st
     if name is None:
         if device.type == "cuda" and triton_attn_unavailable(device, dtype, head_size) is None:
             return TritonAttentionBackend
-        if device.type == "cpu" and dtype == torch.bfloat16 and envs.MINIVLLM_CPU_KERNELS and custom_ops.load():
+        if custom_ops.use_cpu_kernels(device, dtype):  # the same rule as the model's CustomOp layers
             return CPUAttentionBackend
         return TorchSDPABackend
     backend = BACKENDS.get(name.upper())

@@ -9,7 +9,7 @@ fused layout: ``qkv_proj`` stacks the q, k and v projections, ``gate_up_proj`` s
 from __future__ import annotations
 
 import math
-from typing import Callable, Dict, List, Optional, Sequence, Type
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import torch
 import torch.nn as nn
@@ -17,6 +17,7 @@ import torch.nn as nn
 from minivllm.attention.backend import AttentionBackend, AttentionMetadata
 from minivllm.attention.backends.torch_sdpa import TorchSDPABackend
 from minivllm.model.config import LlamaConfig
+from minivllm.model.custom_op import CustomOp
 from minivllm.model.layers.activation import SiluAndMul
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -76,7 +77,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(x)
         # q and k heads are adjacent columns: rotate them in one pass, then split.
         qk = qkv[:, : self.q_size + self.kv_size].view(t, self.num_heads + self.num_kv_heads, self.head_dim)
-        q, k = self.rotary_emb.rotate(positions, qk).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = self.rotary_emb(positions, qk)[0].split([self.num_heads, self.num_kv_heads], dim=1)
         v = qkv[:, self.q_size + self.kv_size :].view(t, self.num_kv_heads, self.head_dim)
         o = self.impl.forward(q, k, v, kv_cache, md)  # writes k, v into kv_cache first
         return self.o_proj(o.reshape(t, self.q_size))
@@ -158,6 +159,17 @@ class LlamaForCausalLM(nn.Module):
             self.lm_head = self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config.vocab_size)
         self.layer_hooks: List[LayerHook] = []
+        self.custom_op_dispatch: Tuple[str, bool] = ("cpu", False)
+
+    def set_custom_op_dispatch(self, device_type: str, use_cpu_kernels: bool) -> None:
+        """Choose the implementation of every ``CustomOp`` layer (RMSNorm, SiluAndMul, RoPE) for a model on
+        ``device_type``: its C++ kernels on the CPU when ``use_cpu_kernels`` (``custom_ops.use_cpu_kernels``), else
+        the PyTorch formulas (``minivllm.model.custom_op``). The loader calls it once the weights are in place,
+        and each model runner when it is built, as for the attention backend."""
+        self.custom_op_dispatch = (device_type, use_cpu_kernels)
+        for module in self.modules():
+            if isinstance(module, CustomOp):
+                module.set_dispatch(device_type, use_cpu_kernels)
 
     def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
         """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it

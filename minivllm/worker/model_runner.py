@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import numpy as np
 import torch
 
+from minivllm import custom_ops
 from minivllm.attention.backend import CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
 from minivllm.core.sched.output import SchedulerOutput
@@ -114,6 +115,9 @@ class ModelRunner:
             block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
         )
         self.model.set_attention_backend(self.attn_backend)
+        # The norms, SwiGLU and RoPE too (CustomOp): chosen here once, re-applied if another runner changed them.
+        self.custom_op_dispatch = (self.device.type, custom_ops.use_cpu_kernels(self.device, self.dtype))
+        self.model.set_custom_op_dispatch(*self.custom_op_dispatch)
         self.max_num_blocks_per_req = min(num_gpu_blocks, -(-cfg.max_position_embeddings // block_size))
         self.requests: Dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(block_size, self.max_num_blocks_per_req, self.scratch_block_id)
@@ -231,6 +235,8 @@ class ModelRunner:
         cm, md = inputs.common_attn_metadata, inputs.attn_metadata
         if self.model.attn_backend is not self.attn_backend:
             self.model.set_attention_backend(self.attn_backend)  # another engine shares this model
+        if self.model.custom_op_dispatch != self.custom_op_dispatch:
+            self.model.set_custom_op_dispatch(*self.custom_op_dispatch)
         if self.connector is not None:
             conn = self.connector
             self.model.layer_hooks = [lambda layer, kv_cache: conn.save_kv_layer(layer, kv_cache, md)]

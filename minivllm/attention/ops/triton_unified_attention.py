@@ -1,9 +1,12 @@
 """Paged attention of a mixed batch (prefill chunks and decodes) in one Triton kernel.
 
+Over 300 lines on purpose: the two kernels and their launcher share one tiling contract (block sizes, program
+ids, segment buffers) that this docstring explains once; vLLM keeps them in one file too.
+
 vLLM: ``vllm/v1/attention/ops/triton_unified_attention.py`` at v0.32.0 (``kernel_unified_attention`` and
 ``reduce_segments``), the kernel of vLLM's Triton attention backend. This is a shorter version of the same
 algorithm, without sliding windows, ALiBi, soft-capping, sinks or fp8/int8 caches. minivllm's readable reference
-is ``minivllm.attention.paged_attention.reference_paged_attention``: the results agree with it up to rounding.
+is ``minivllm.attention.backends.reference.reference_paged_attention``: the results agree with it up to rounding.
 
 **What it computes.** The batch is flattened (varlen): request ``i`` owns query rows
 ``cu_seqlens_q[i] : cu_seqlens_q[i+1]`` (``query_start_loc`` in minivllm) and has ``seqused_k[i]`` keys

@@ -7,96 +7,28 @@ logits are needed, so at least that token is always computed (as vLLM's ``Exampl
 
 vLLM's counterparts: ``vllm/distributed/kv_transfer/kv_connector/v1/offloading_connector.py``
 (``OffloadingConnector``, CPU offloading keyed by block hashes) and ``example_connector.py``
-(``ExampleConnector``, a disk store; the split of per-step state this file copies).
+(``ExampleConnector``, a disk store; the split of per-step state this file copies). The step's metadata is in
+``offload_metadata.py``, the counters in ``offload_metrics.py``.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from minivllm.core.kv_cache_utils import BlockHash
-from minivllm.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from minivllm.distributed.kv_transfer.base import KVConnectorBase
 from minivllm.distributed.kv_transfer.kv_store import KVBlockStore
+from minivllm.distributed.kv_transfer.offload_metadata import BlockTransfer, OffloadConnectorMetadata
+from minivllm.distributed.kv_transfer.offload_metrics import OffloadStats
 from minivllm.core.sched.output import block_updates
 
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_utils import KVCacheBlock
     from minivllm.core.sched.output import SchedulerOutput
     from minivllm.request import Request
-
-
-@dataclass
-class BlockTransfer:
-    """Blocks of one request to copy in one direction: ``block_ids[i]`` holds the block keyed ``block_hashes[i]``."""
-
-    req_id: str
-    block_ids: List[int]
-    block_hashes: List[BlockHash]
-
-
-@dataclass
-class OffloadConnectorMetadata(KVConnectorMetadata):
-    """One step's work for the worker side.
-
-    Attributes:
-        loads: copy store -> paged cache before this step's forward pass.
-        async_loads: start copying now; the request waits in ``WAITING_FOR_REMOTE_KVS`` until ``get_finished``
-            reports it.
-        saves: copy paged cache -> store after each layer of this step's forward pass.
-        loads_in_flight: requests whose asynchronous load has not been reported finished yet (information only).
-    """
-
-    loads: List[BlockTransfer] = field(default_factory=list)
-    async_loads: List[BlockTransfer] = field(default_factory=list)
-    saves: List[BlockTransfer] = field(default_factory=list)
-    loads_in_flight: List[str] = field(default_factory=list)
-
-    def describe(self) -> Dict[str, Any]:
-        """``{"load": {req: blocks}, "load_async": {...}, "save": {...}, "in_flight": [req, ...]}``."""
-        return {
-            "load": {t.req_id: len(t.block_ids) for t in self.loads},
-            "load_async": {t.req_id: len(t.block_ids) for t in self.async_loads},
-            "save": {t.req_id: len(t.block_ids) for t in self.saves},
-            "in_flight": list(self.loads_in_flight),
-        }
-
-    def req_ids(self) -> List[str]:
-        """Every request this metadata asks the worker to do something for (load, save or wait on)."""
-        ids: List[str] = []
-        for t in self.loads + self.async_loads + self.saves:
-            if t.req_id not in ids:
-                ids.append(t.req_id)
-        for r in self.loads_in_flight:
-            if r not in ids:
-                ids.append(r)
-        return ids
-
-
-@dataclass
-class OffloadStats:
-    """Transfers per request id, counted on the worker side when the copy is done.
-
-    Attributes:
-        num_loads: load operations (one per admission that found blocks in the store).
-        num_loaded_blocks: blocks copied store -> paged cache.
-        num_saved_blocks: blocks copied paged cache -> store.
-    """
-
-    num_loads: Dict[str, int] = field(default_factory=dict)
-    num_loaded_blocks: Dict[str, int] = field(default_factory=dict)
-    num_saved_blocks: Dict[str, int] = field(default_factory=dict)
-
-    def for_request(self, req_id: str) -> Dict[str, int]:
-        """``{"loads": ..., "loaded_blocks": ..., "saved_blocks": ...}`` for one request (0 when none)."""
-        return {
-            "loads": self.num_loads.get(req_id, 0),
-            "loaded_blocks": self.num_loaded_blocks.get(req_id, 0),
-            "saved_blocks": self.num_saved_blocks.get(req_id, 0),
-        }
 
 
 def _add(d: Dict[str, int], key: str, n: int) -> None:

@@ -3,15 +3,15 @@
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
-import torch.nn as nn
 
 from minivllm import custom_ops
+from minivllm.model.custom_op import CustomOp, no_kernel_for
 
 
-class RotaryEmbedding(nn.Module):
+class RotaryEmbedding(CustomOp):
     """Rotary position embedding, half-split ("NeoX") style as in Hugging Face Llama (Su et al. 2021).
 
     ``cos_cache`` and ``sin_cache`` (``float32 [max_position, head_dim]``, on the CPU) hold the angles of every
@@ -22,7 +22,9 @@ class RotaryEmbedding(nn.Module):
 
     The tables are plain attributes, not buffers: ``model.to(bfloat16)`` must not round the angles, and one
     instance is shared by every attention layer (``get_rope``), possibly of several models on several devices,
-    so a copy per device is made on first use instead of moving the tables.
+    so a copy per device is made on first use instead of moving the tables. Being shared, its dispatch
+    (``CustomOp``) is the last model runner's choice; that never changes a number, since the kernel is
+    bit-identical to ``forward_native`` and takes bfloat16 only.
     """
 
     def __init__(self, head_size: int, max_position: int, base: float) -> None:
@@ -47,25 +49,24 @@ class RotaryEmbedding(nn.Module):
         cos, sin = self._tables[dev]
         return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
 
-    def rotate(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        """Rotate ``x [T, heads, head_size]`` by the angles of ``positions [T]`` (q and k heads may be stacked).
-
-        In bfloat16 on the CPU this rotates ``x`` in place with one kernel (``custom_ops.rotary_embedding``,
-        bit-identical) and returns it; otherwise it returns a new tensor.
-        """
-        if custom_ops.usable(x) and x.dim() == 3 and x.stride(2) == 1 and x.stride(1) == x.shape[2]:
-            custom_ops.rotary_embedding(positions, x, x.shape[1], self.cos_cache, self.sin_cache)
-            return x
-        cos, sin = self._angles(positions)
-        return _rotate(x, cos, sin)
-
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
-        """Rotate ``q [T, H, D]`` and ``k [T, Hkv, D]`` by the angles of ``positions [T]``; returns new tensors.
+    def forward_native(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
+        """Rotate ``query [T, H, D]`` and ``key [T, Hkv, D]`` (or ``None``) by the angles of ``positions [T]``;
+        returns new tensors ``(query, key)``, same dtype. q and k heads may come stacked as one ``query``.
 
         vLLM's ``forward`` takes the flat ``[T, H * D]`` q and k; here they come with their head dimension.
         """
         cos, sin = self._angles(positions)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return _rotate(query, cos, sin), None if key is None else _rotate(key, cos, sin)
+
+    def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
+        """In bfloat16, the q|k heads of the fused qkv output stacked in ``query`` (``key=None``) are rotated in
+        place by one kernel (``custom_ops.rotary_embedding``, bit-identical) and ``(query, None)`` returned;
+        anything else takes ``forward_native``."""
+        if (key is not None or no_kernel_for(query) or query.dim() != 3 or query.stride(2) != 1
+                or query.stride(1) != query.shape[2]):
+            return self.forward_native(positions, query, key)
+        custom_ops.rotary_embedding(positions, query, query.shape[1], self.cos_cache, self.sin_cache)
+        return query, None
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -11,6 +11,7 @@ from typing import Dict, Optional, Tuple, Type, Union
 
 import torch
 
+from minivllm import custom_ops
 from minivllm.config import LoadConfig, ModelConfig
 from minivllm.model.config import BUILTIN_CONFIGS, default_model_path, get_config, tiny_llama_config
 from minivllm.model.llama import LlamaForCausalLM
@@ -74,8 +75,12 @@ def get_model_loader(load_config: LoadConfig) -> BaseModelLoader:
 
 def get_model(model_config: ModelConfig, load_config: LoadConfig, device: Union[str, torch.device] = "cpu",
               dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """The model of ``model_config`` with weights loaded per ``load_config``, in ``dtype`` on ``device``, eval mode."""
-    return get_model_loader(load_config).load_model(model_config, torch.device(device), dtype)
+    """The model of ``model_config`` with weights loaded per ``load_config``, in ``dtype`` on ``device``, eval mode,
+    its ``CustomOp`` layers dispatched for that device and dtype (a model runner re-applies its own choice)."""
+    device = torch.device(device)
+    model = get_model_loader(load_config).load_model(model_config, device, dtype)
+    model.set_custom_op_dispatch(device.type, custom_ops.use_cpu_kernels(device, dtype))
+    return model
 
 
 def load_model(path: Optional[str] = None, dtype: torch.dtype = torch.float32, device="cpu",

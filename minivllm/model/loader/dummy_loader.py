@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from minivllm import custom_ops
 from minivllm.config import ModelConfig
 from minivllm.model.config import LlamaConfig, tiny_llama_config
 from minivllm.model.llama import LlamaForCausalLM
@@ -47,4 +48,5 @@ def build_tiny_model(config: Optional[LlamaConfig] = None, seed: int = 0, dtype=
     ``dtype`` on the CPU, eval mode. ``LLMEngine("tiny")`` runs ``build_tiny_model()``."""
     model = LlamaForCausalLM(config or tiny_llama_config())
     initialize_dummy_weights(model, seed)
+    model.set_custom_op_dispatch("cpu", custom_ops.use_cpu_kernels("cpu", dtype))
     return model.to(dtype).eval()

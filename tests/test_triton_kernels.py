@@ -36,7 +36,7 @@ from minivllm.worker.block_table import create_common_attn_metadata  # noqa: E40
 # pytest process, and would then stay on for every later test and every process they start (notebook kernels
 # under nbval included). So this file runs itself in a child process that starts with TRITON_INTERPRET=1
 # (`test_in_fresh_process`); the kernel tests run there, and here they skip saying so. To run them directly:
-# TRITON_INTERPRET=1 python -m pytest tests/test_triton_attention.py
+# TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py
 INTERPRETED_HERE = triton_language_interpreted() and is_interpreted(ua.kernel_unified_attention)
 if interpreter_problem():
     pytest.skip(interpreter_problem(), allow_module_level=True)
