@@ -192,6 +192,52 @@ def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny):
     assert async_llm.stats.num_steps - steps_before < 150
 
 
+def test_disconnect_before_whole_response_aborts(tiny):
+    # Non-streaming: nothing is sent until the end, so the server watches for the disconnect itself.
+    _ref, async_llm, server = tiny
+    body = {"model": "tiny", "prompt": PROMPTS[2], "max_tokens": 230, "temperature": 0, "ignore_eos": True}
+    steps_before = async_llm.stats.num_steps
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.base + "/v1/completions", json=body, timeout=httpx.Timeout(30, read=0.05))
+    _wait_idle(async_llm.engine)
+    assert async_llm.stats.num_steps - steps_before < 230
+
+
+def test_async_llm_shutdown_reports_requests_in_flight_aborted(tiny):
+    ref, _async_llm, _server = tiny
+    from minivllm.engine.async_llm import EngineDeadError
+    from minivllm.sampling_params import RequestOutputKind
+
+    engine = LLMEngine(ref.llm_engine.model, num_gpu_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN, max_num_seqs=1)
+    llm = AsyncLLM(engine)
+    sp = SamplingParams(temperature=0, max_tokens=240, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+
+    async def consume(rid, first_seen):
+        outs = []
+        async for out in llm.generate(PROMPTS[0], sp, rid):
+            outs.append(out)
+            first_seen.set()
+            assert len(outs) <= 241
+        return outs
+
+    async def main():
+        seen = [asyncio.Event(), asyncio.Event()]
+        tasks = [asyncio.create_task(consume(f"r{i}", seen[i])) for i in range(2)]
+        await asyncio.wait_for(seen[0].wait(), 30)  # r0 runs; r1 waits (max_num_seqs=1)
+        llm.shutdown()
+        results = await asyncio.wait_for(asyncio.gather(*tasks), 30)
+        with pytest.raises(EngineDeadError):
+            await llm.add_request("late", PROMPTS[0], sp)
+        return results
+
+    r0, r1 = asyncio.run(main())
+    assert r0[-1].finished and r0[-1].outputs[0].finish_reason == "abort"
+    assert 1 <= sum(len(o.outputs[0].token_ids) for o in r0) < 240
+    assert len(r1) == 1 and r1[0].outputs[0].finish_reason == "abort" and r1[0].outputs[0].token_ids == []
+    assert not engine.has_unfinished_requests() and engine.kv_cache_manager.num_free_blocks == NUM_BLOCKS
+    assert llm.errored
+
+
 def _bad_cases():
     good = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 4}
     cases = [("/v1/completions", b'{"model": "tiny", "prompt": [1, 2', 400, None, "JSON"),

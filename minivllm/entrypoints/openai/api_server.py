@@ -19,11 +19,12 @@ for; then the process exits. vLLM's server instead cancels its server task and s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import secrets
 import socket
 from http import HTTPStatus
-from typing import Any, Optional
+from typing import Any, Awaitable, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -64,6 +65,29 @@ class AuthenticationMiddleware:
                 await _error(err)(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def with_cancellation(raw_request: Request, coro: Awaitable[Any]) -> Any:
+    """Run a handler's work, cancelling it if the client disconnects first (vLLM's ``with_cancellation``).
+
+    A whole (non-streaming) response is built before anything is sent, so a client that gave up would otherwise
+    leave its request running to the end; cancelling the work closes the request's stream, which aborts it.
+    """
+    async def disconnected() -> None:
+        while (await raw_request.receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.ensure_future(coro)
+    watch = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+    if work.cancelled():
+        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
+    return work.result()
 
 
 def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NAME,
@@ -111,15 +135,25 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
                                          max_model_len=completion.max_model_len)])
 
     @app.post("/v1/completions", response_model=None)
-    async def create_completion(request: CompletionRequest) -> Any:
-        result = await completion.create_completion(request)
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
+        if request.stream:  # a stream notices a disconnect when its next chunk cannot be sent
+            result = await completion.create_completion(request)
+        else:
+            result = await with_cancellation(raw_request, completion.create_completion(request))
+        if isinstance(result, Response):
+            return result
         if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump(exclude_none=True))
         return StreamingResponse(result, media_type="text/event-stream")
 
     @app.post("/v1/chat/completions", response_model=None)
-    async def create_chat_completion(request: ChatCompletionRequest) -> Any:
-        result = await chat.create_chat_completion(request)
+    async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
+        if request.stream:  # a stream notices a disconnect when its next chunk cannot be sent
+            result = await chat.create_chat_completion(request)
+        else:
+            result = await with_cancellation(raw_request, chat.create_chat_completion(request))
+        if isinstance(result, Response):
+            return result
         if isinstance(result, BaseModel):
             return JSONResponse(result.model_dump(exclude_none=True))
         return StreamingResponse(result, media_type="text/event-stream")
