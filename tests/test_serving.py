@@ -348,6 +348,21 @@ def test_chat_real_model_equal_offline(real_llm):
             usage = chunk.usage or usage
         assert roles[0] == "assistant" and "".join(parts) == want.text
         assert usage.completion_tokens == len(want.token_ids)
+
+        # A stop string cut inside the reply, streamed (text held back while it may still match) and whole.
+        stop = want.text[len(want.text) // 2:][:3]
+        want_stop = real_llm.chat(messages, SamplingParams(temperature=0, max_tokens=16, stop=[stop]),
+                                  use_tqdm=False)[0].outputs[0]
+        assert want_stop.finish_reason == "stop" and want_stop.stop_reason == stop
+        resp = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                              temperature=0, stop=[stop])
+        assert resp.choices[0].message.content == want_stop.text and resp.choices[0].finish_reason == "stop"
+        stream = client.chat.completions.create(model="SmolLM2-135M-Instruct", messages=messages, max_tokens=16,
+                                                temperature=0, stop=[stop], stream=True)
+        chunks = list(stream)
+        assert len(chunks) < 40
+        assert "".join(c.choices[0].delta.content or "" for c in chunks) == want_stop.text
+        assert chunks[-1].choices[0].finish_reason == "stop"
     finally:
         server.stop()
         async_llm.shutdown()

@@ -90,7 +90,9 @@ class _SamplingRequest(OpenAIBaseModel):
     def to_sampling_params(self) -> SamplingParams:
         """The ``SamplingParams`` of this request; DELTA outputs when streaming, else FINAL_ONLY.
 
-        Defaults are OpenAI's (temperature 1, top_p 1); ``max_tokens=None`` means up to ``max_model_len``.
+        Defaults are OpenAI's (temperature 1, top_p 1); ``max_tokens=None`` means up to ``max_model_len``, and a
+        larger ``max_tokens`` is capped at ``max_model_len`` minus the prompt, as vLLM 0.32's server does
+        (``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``).
 
         Raises:
             ValueError: a value out of range, naming the parameter and the limit (from ``SamplingParams``).
