@@ -172,6 +172,32 @@ def test_32_concurrent_streaming_clients(tiny):
     assert 0.0 <= _metric(metrics, "vllm:kv_cache_usage_perc") <= 1.0
 
 
+def test_metrics_count_preemptions_and_outputs_survive_them(tiny):
+    ref, _async_llm, _server = tiny
+    # 8 blocks of 16 tokens for 4 requests that grow to 4 blocks each: the scheduler must preempt.
+    engine = LLMEngine(ref.llm_engine.model, num_gpu_blocks=8, max_model_len=64)
+    llm = AsyncLLM(engine)
+    server = ServerThread(build_app(llm, "tiny"))
+    prompts = [[i + 1] * 16 for i in range(4)]
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    expected = [o.outputs[0].token_ids for o in ref.generate(prompts, sp, use_tqdm=False)]
+    try:
+        async def main():
+            client = openai.AsyncOpenAI(base_url=server.base + "/v1", api_key="none", max_retries=0, timeout=60)
+            return await asyncio.wait_for(asyncio.gather(*[client.completions.create(
+                model="tiny", prompt=p, max_tokens=40, temperature=0,
+                extra_body={"return_token_ids": True, "ignore_eos": True}) for p in prompts]), 120)
+
+        results = asyncio.run(main())
+        assert [_token_ids(r.choices[0]) for r in results] == expected
+        metrics = httpx.get(server.base + "/metrics").text
+        assert engine.num_preemptions > 0
+        assert _metric(metrics, "vllm:num_preemptions_total") == engine.num_preemptions
+    finally:
+        server.stop()
+        llm.shutdown()
+
+
 def test_disconnect_mid_stream_aborts_and_frees_blocks(tiny):
     _ref, async_llm, server = tiny
     engine = async_llm.engine
