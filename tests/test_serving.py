@@ -419,29 +419,30 @@ def test_serve_subprocess_sigint_with_requests_in_flight():
             time.sleep(0.2)
 
         results = [None] * 3
-        started = threading.Barrier(2, timeout=60)
+        accepted = threading.Barrier(4, timeout=60)  # the 3 streams' headers arrived (the engine queued them)
+        streaming = threading.Event()  # request 0 has sent a token
 
         def stream(i):
             body = {"model": "tiny", "prompt": [1 + i, 2, 3], "max_tokens": 1000, "ignore_eos": True,
                     "stream": True}
             finishes, done = [], False
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=60) as resp:
-                first = True
+                assert resp.status_code == 200
+                accepted.wait()
                 for line in resp.iter_lines():
                     if line == "data: [DONE]":
                         done = True
                     elif line.startswith("data: {"):
                         finishes.append(json.loads(line[6:])["choices"][0].get("finish_reason"))
-                    if first and line.startswith("data: "):
-                        first = False
-                        if i == 0:
-                            started.wait()
+                    if line.startswith("data: "):
+                        streaming.set()
             results[i] = (finishes[-1] if finishes else None, done)
 
         threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(3)]
         for t in threads:
             t.start()
-        started.wait()  # request 0 is streaming; 1 and 2 wait (max_num_seqs=1)
+        accepted.wait()
+        assert streaming.wait(60)  # request 0 is streaming; 1 and 2 wait (max_num_seqs=1)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
         for t in threads:
