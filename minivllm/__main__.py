@@ -1,8 +1,9 @@
-"""Command line: ``python -m minivllm generate|chat|bench|figures``.
+"""Command line: ``python -m minivllm generate|chat|serve|bench|figures``.
 
 * ``generate "prompt" ...``: greedy (or sampled) completion of raw prompts, then a one-line summary of steps,
   tokens, tokens/s and preemptions.
 * ``chat``: an interactive chat with the chat template (``--message`` for a single turn without a terminal).
+* ``serve [model]``: the OpenAI-compatible server (``minivllm.entrypoints.openai.api_server``), as ``vllm serve``.
 * ``bench``: the benchmark (``minivllm.bench``).
 * ``figures``: regenerate the course figures in ``images/`` from real engine runs (``minivllm.course.figures``).
 """
@@ -97,6 +98,20 @@ def cmd_chat(a) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+def cmd_serve(a) -> int:
+    from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, run_server
+
+    engine_client = AsyncLLM.from_engine_args(
+        a.model, dtype=a.dtype, device=a.device, block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks,
+        max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
+        enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
+    )
+    name = a.served_model_name or (a.model if a.model is not None else DEFAULT_MODEL_NAME)
+    print(f"[minivllm] serving {name!r} on http://{a.host}:{a.port}/v1", flush=True)
+    return run_server(engine_client, name, a.host, a.port, a.api_key)
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minivllm", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -107,6 +122,23 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--message", action="append", help="a user turn (repeatable); without it, read from stdin")
     c.add_argument("--system", default=None, help="a system prompt")
     _engine_args(c)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like vllm serve)")
+    s.add_argument("model", nargs="?", default=None,
+                   help="a .gguf file, a Hugging Face folder or 'tiny' (default: SmolLM2-135M-Instruct)")
+    s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    s.add_argument("--device", default=None, help="cpu (default) or cuda")
+    s.add_argument("--block-size", type=int, default=16)
+    s.add_argument("--num-gpu-blocks", type=int, default=None)
+    s.add_argument("--max-num-batched-tokens", type=int, default=None)
+    s.add_argument("--max-num-seqs", type=int, default=None)
+    s.add_argument("--max-model-len", type=int, default=None)
+    s.add_argument("--no-prefix-caching", action="store_true")
+    s.add_argument("--seed", type=int, default=0, help="seed of requests without their own seed")
+    # The server's own options (fastapi and uvicorn load only when ``serve`` runs).
+    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model)")
     sub.add_parser("bench", help="benchmark (see python -m minivllm bench --help)", add_help=False)
     sub.add_parser("figures", help="regenerate images/ from real engine runs")
     argv = sys.argv[1:] if argv is None else argv
@@ -119,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         return figures_main(argv[1:])
     a = parser.parse_args(argv)
-    return {"generate": cmd_generate, "chat": cmd_chat}[a.cmd](a)
+    return {"generate": cmd_generate, "chat": cmd_chat, "serve": cmd_serve}[a.cmd](a)
 
 
 if __name__ == "__main__":

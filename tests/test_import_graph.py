@@ -38,6 +38,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("model", ["minivllm.model", "minivllm.attention", "minivllm.custom_ops"]),
     ("worker", ["minivllm.worker"]),
     ("engine", ["minivllm.engine", "=minivllm"]),
+    # The OpenAI-compatible server on AsyncLLM (vLLM's vllm/entrypoints/openai above vllm/v1/engine).
+    ("entrypoints", ["minivllm.entrypoints"]),
     # Users of the engine: the course's tools, the benchmark and the command line.
     ("course", ["minivllm.course", "minivllm.bench", "minivllm.__main__"]),
 ]

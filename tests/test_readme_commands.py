@@ -72,6 +72,44 @@ def _check_chat(args, comment):
     assert len(replies) == 1 and "Paris" in replies[0], out
 
 
+def _check_serve(args, comment):
+    # As written, on a free port: one chat through the OpenAI API, then SIGINT ends it cleanly.
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    assert args[:2] == ["serve", "--port"] and "--api-key" in comment, args
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
+    proc = subprocess.Popen([sys.executable, "-m", "minivllm", *args[:2], str(port), *args[3:]], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(base + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        r = httpx.post(base + "/v1/chat/completions", timeout=120, json={
+            "model": "SmolLM2-135M-Instruct", "max_tokens": 12, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]})
+        assert r.status_code == 200 and "Paris" in r.json()["choices"][0]["message"]["content"], r.text
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+
+
 def _check_bench(args, comment):
     assert args == ["bench", "--help"], args  # the README only shows --help: a real run takes minutes
     out = _run(["-m", "minivllm", *args])
@@ -88,7 +126,8 @@ def _check_figures(args, comment):
     assert not missing, f"figures listed but not in images/: {missing}"
 
 
-CHECKS = {"generate": _check_generate, "chat": _check_chat, "bench": _check_bench, "figures": _check_figures}
+CHECKS = {"generate": _check_generate, "chat": _check_chat, "serve": _check_serve, "bench": _check_bench,
+          "figures": _check_figures}
 
 
 # Not run here: ``./course.sh lab`` (installs, then opens JupyterLab) and ``./course.sh test`` (installs, then runs

@@ -1,0 +1,1 @@
+"""Entry points above the engine (vLLM: ``vllm/entrypoints/``): the OpenAI-compatible server."""

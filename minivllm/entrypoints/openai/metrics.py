@@ -1,0 +1,97 @@
+"""``/metrics``: Prometheus text format with vLLM's metric names (vLLM: ``vllm/v1/metrics/loggers.py``,
+``PrometheusStatLogger``).
+
+Served, with labels ``model_name`` and ``engine`` as in vLLM:
+
+* ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges), ``vllm:kv_cache_usage_perc`` (gauge,
+  a fraction: 1 means 100 percent, vLLM's convention) and ``vllm:num_preemptions_total`` (counter), read from the
+  engine thread's last ``EngineStats`` snapshot when scraped;
+* ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds`` (histograms), observed by the
+  serving layer as each request's outputs arrive.
+
+Where minivllm differs from vLLM: the latencies are measured in the API server from the moment it accepted the
+request (vLLM's engine core stamps them); the histogram buckets are minivllm's, spanning a CPU's slower steps; each
+server has its own ``CollectorRegistry`` so that several can run in one process (the tests do).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, List, Optional
+
+from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from minivllm.engine.async_llm import AsyncLLM
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                 40.0, 80.0, 160.0]
+_ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
+                10.0, 20.0]
+
+
+class _EngineStatsCollector(Collector):
+    def __init__(self, async_llm: AsyncLLM, labels: List[str]) -> None:
+        self.async_llm, self.labels = async_llm, labels
+
+    def collect(self) -> Iterable[Metric]:
+        stats, names = self.async_llm.stats, ["model_name", "engine"]
+        for name, doc, value in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running_reqs),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_reqs),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=names)
+            g.add_metric(self.labels, float(value))
+            yield g
+        c = CounterMetricFamily("vllm:num_preemptions", "Cumulative number of preemption from the engine.",
+                                labels=names)
+        c.add_metric(self.labels, float(stats.num_preemptions))
+        yield c
+
+
+class ServerMetrics:
+    """The server's Prometheus registry.
+
+    Args:
+        async_llm: the engine whose ``stats`` the gauges and the counter report.
+        model_name: the served model name (the ``model_name`` label).
+    """
+
+    def __init__(self, async_llm: AsyncLLM, model_name: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = [model_name, "0"]
+        self.registry.register(_EngineStatsCollector(async_llm, labels))
+        self.time_to_first_token = Histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+            ["model_name", "engine"], buckets=_TTFT_BUCKETS, registry=self.registry).labels(*labels)
+        self.inter_token_latency = Histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
+            ["model_name", "engine"], buckets=_ITL_BUCKETS, registry=self.registry).labels(*labels)
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+
+class RequestTimer:
+    """Observes one request's TTFT and inter-token latencies (seconds, ``time.perf_counter``)."""
+
+    def __init__(self, metrics: Optional[ServerMetrics], start: float) -> None:
+        self.metrics, self.last = metrics, start
+        self.first = True
+
+    def on_tokens(self, now: float, num_new_tokens: int) -> None:
+        """Called for each output; only outputs carrying tokens count. The gap since the previous output is
+        divided among its tokens (one per step in minivllm: no speculative decoding)."""
+        if self.metrics is None or num_new_tokens == 0:
+            return
+        gap = now - self.last
+        if self.first:
+            self.metrics.time_to_first_token.observe(gap)
+            self.first = False
+        else:
+            for _ in range(num_new_tokens):
+                self.metrics.inter_token_latency.observe(gap / num_new_tokens)
+        self.last = now

@@ -1,0 +1,211 @@
+"""Request and response bodies of the OpenAI API, as pydantic models (vLLM 0.32: ``vllm/entrypoints/openai/*/protocol.py``).
+
+Only the fields minivllm serves are declared; unknown fields are ignored, as vLLM does (it logs a warning). Types
+are checked by pydantic (a wrong type is a 400 naming the field); value ranges are checked by ``SamplingParams``
+when ``to_sampling_params`` builds it, so the server and the offline ``LLM`` share one set of limits and messages.
+
+Where minivllm differs from vLLM: ``n`` must be 1, and a completion takes one prompt (a string, a list of token
+ids, or a list holding one of those), not a batch.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from minivllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+class OpenAIBaseModel(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+
+class ErrorInfo(OpenAIBaseModel):
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class ErrorResponse(OpenAIBaseModel):
+    """``{"error": {"message", "type", "param", "code"}}``: the body of every error (vLLM's shape)."""
+
+    error: ErrorInfo
+
+
+class ModelCard(OpenAIBaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "minivllm"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(OpenAIBaseModel):
+    object: str = "list"
+    data: List[ModelCard] = Field(default_factory=list)
+
+
+class StreamOptions(OpenAIBaseModel):
+    include_usage: Optional[bool] = False
+
+
+class UsageInfo(OpenAIBaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """The sampling fields common to both endpoints (OpenAI's, plus vLLM's extras ``top_k``, ``min_p``,
+    ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids``)."""
+
+    model: Optional[str] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    seed: Optional[int] = None
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    ignore_eos: bool = False
+    min_tokens: int = 0
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    logprobs: Optional[Union[bool, int]] = None  # refused: minivllm's server returns no logprobs
+    return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and the prompt's in the response)
+
+    def _max_tokens(self) -> Optional[int]:
+        raise NotImplementedError
+
+    def to_sampling_params(self) -> SamplingParams:
+        """The ``SamplingParams`` of this request; DELTA outputs when streaming, else FINAL_ONLY.
+
+        Defaults are OpenAI's (temperature 1, top_p 1); ``max_tokens=None`` means up to ``max_model_len``, and a
+        larger ``max_tokens`` is capped at ``max_model_len`` minus the prompt, as vLLM 0.32's server does
+        (``get_max_tokens`` in ``vllm/entrypoints/serve/utils/api_utils.py``).
+
+        Raises:
+            ValueError: a value out of range, naming the parameter and the limit (from ``SamplingParams``).
+        """
+        kwargs: Dict[str, Any] = dict(
+            n=self.n, seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
+            stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
+            output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
+        )
+        for name in ("temperature", "top_p", "top_k", "min_p"):
+            if getattr(self, name) is not None:
+                kwargs[name] = getattr(self, name)
+        return SamplingParams(**kwargs)
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions``. ``prompt``: a string, a list of token ids, or a one-element list of either."""
+
+    prompt: Union[str, List[int], List[str], List[List[int]]]
+    max_tokens: Optional[int] = 16
+    echo: bool = False
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_tokens
+
+
+class ChatMessage(OpenAIBaseModel):
+    role: str
+    content: Optional[Union[str, List[Dict[str, Any]]]] = None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions``. ``max_completion_tokens`` (OpenAI's newer name) wins over ``max_tokens``."""
+
+    messages: List[ChatMessage]
+    max_tokens: Optional[int] = None
+    max_completion_tokens: Optional[int] = None
+    add_generation_prompt: bool = True
+
+    def _max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class CompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    text: str
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[List[int]] = None
+
+
+class CompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
+    prompt_token_ids: Optional[List[int]] = None
+
+
+class CompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[CompletionResponseChoice]
+    usage: Optional[UsageInfo] = None
+
+
+class ChatResponseMessage(OpenAIBaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseChoice(OpenAIBaseModel):
+    index: int = 0
+    message: ChatResponseMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[List[int]] = None
+
+
+class ChatCompletionResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_token_ids: Optional[List[int]] = None
+
+
+class DeltaMessage(OpenAIBaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
+    index: int = 0
+    delta: DeltaMessage
+    logprobs: None = None
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[Union[int, str]] = None
+    token_ids: Optional[List[int]] = None
+
+
+class ChatCompletionStreamResponse(OpenAIBaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: List[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None

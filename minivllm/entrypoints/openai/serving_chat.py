@@ -1,0 +1,95 @@
+"""``POST /v1/chat/completions`` (vLLM 0.32: ``vllm/entrypoints/openai/chat_completion/serving.py``).
+
+The conversation is rendered with the model's chat template to text (``tokenize=False``: Jinja only, on the event
+loop), and that text is tokenized by the engine thread like any prompt (``add_special_tokens=False``), which gives
+the token ids ``LLM.chat`` gets (the tests check it token for token). A message's ``content`` may be a string or
+OpenAI's list of ``{"type": "text", "text": ...}`` parts; other part types are refused.
+"""
+
+from __future__ import annotations
+
+from typing import AsyncGenerator, Dict, List, Union
+
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCompletionResponse,
+                                                  ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
+                                                  ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
+                                                  UsageInfo, random_uuid)
+from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError
+from minivllm.outputs import RequestOutput
+
+
+class OpenAIServingChat(OpenAIServing):
+    """The chat endpoint: apply the chat template, queue, then answer whole or as server-sent events."""
+
+    def render(self, request: ChatCompletionRequest) -> str:
+        """The prompt text of the conversation. Raises ``RequestError`` (400, ``messages``) when it cannot be built."""
+        if self.tokenizer is None:
+            raise RequestError("this model has no tokenizer and no chat template; use /v1/completions with token "
+                               "ids", "messages")
+        if not request.messages:
+            raise RequestError("messages must be a non-empty list", "messages")
+        messages: List[Dict[str, str]] = []
+        for m in request.messages:
+            content = m.content
+            if isinstance(content, list):
+                parts = []
+                for part in content:
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise RequestError(f"messages: only text content parts are supported, got {part!r}",
+                                           "messages")
+                    parts.append(part["text"])
+                content = "".join(parts)
+            messages.append({"role": m.role, "content": content or ""})
+        try:
+            return self.tokenizer.apply_chat_template(messages, tokenize=False,
+                                                      add_generation_prompt=request.add_generation_prompt)
+        except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
+            raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
+
+    async def create_chat_completion(self, request: ChatCompletionRequest
+                                     ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
+        """A ``ChatCompletionResponse``, or (``stream=True``) an async generator of SSE ``data:`` lines.
+
+        Raises:
+            RequestError: 404 for another model; 400 for a bad parameter or conversation, before anything is queued.
+        """
+        self.check_model(request)
+        params = self.sampling_params(request)
+        prompt = self.render(request)
+        request_id = f"chatcmpl-{random_uuid()}"
+        outputs = await self.start(prompt, params, request_id)
+        if request.stream:
+            return self._stream(request, request_id, outputs)
+        result = await self.collect(outputs)
+        choice = ChatCompletionResponseChoice(message=ChatResponseMessage(content=result.text),
+                                              finish_reason=result.finish_reason, stop_reason=result.stop_reason,
+                                              token_ids=result.token_ids if request.return_token_ids else None)
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
+                                      usage=result.usage,
+                                      prompt_token_ids=result.prompt_token_ids if request.return_token_ids else None)
+
+    async def _stream(self, request: ChatCompletionRequest, request_id: str,
+                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+        model, n_in, n_out = self.served_model_name, 0, 0
+
+        def event(choices: List[ChatCompletionResponseStreamChoice], usage=None) -> str:
+            chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage)
+            return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+
+        # First chunk: the role alone, as OpenAI and vLLM send it.
+        yield event([ChatCompletionResponseStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+        try:
+            async for out in outputs:
+                c = out.outputs[0]
+                n_in, n_out = len(out.prompt_token_ids), n_out + len(c.token_ids)
+                if not c.text and not c.token_ids and not out.finished:
+                    continue
+                stop = c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
+                yield event([ChatCompletionResponseStreamChoice(
+                    delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason, stop_reason=stop,
+                    token_ids=list(c.token_ids) if request.return_token_ids else None)])
+        finally:
+            await outputs.aclose()
+        if request.stream_options and request.stream_options.include_usage:
+            yield event([], UsageInfo(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out))
+        yield "data: [DONE]\n\n"

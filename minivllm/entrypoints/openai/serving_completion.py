@@ -1,0 +1,82 @@
+"""``POST /v1/completions`` (vLLM 0.32: ``vllm/entrypoints/openai/completion/serving.py``).
+
+The prompt is a string or a list of token ids (as in vLLM; the token-id form serves models without a tokenizer,
+such as the tests' ``"tiny"``), or a one-element list of either: minivllm serves one prompt per request.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import AsyncGenerator, List, Union
+
+from minivllm.engine.llm_engine import PromptType
+from minivllm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
+                                                  CompletionStreamResponse, UsageInfo, random_uuid)
+from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError
+from minivllm.outputs import RequestOutput
+
+
+def _prompt(prompt: Union[str, List[int], List[str], List[List[int]]]) -> PromptType:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise RequestError(f"prompt must be one prompt (minivllm serves n=1 and no batches), got a list of "
+                               f"{len(prompt)} prompts", "prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        return {"prompt_token_ids": prompt}
+    return prompt
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """The completions endpoint: validate, queue, then answer whole or as server-sent events."""
+
+    async def create_completion(self, request: CompletionRequest
+                                ) -> Union[CompletionResponse, AsyncGenerator[str, None]]:
+        """A ``CompletionResponse``, or (``stream=True``) an async generator of SSE ``data:`` lines.
+
+        Raises:
+            RequestError: 404 for another model; 400 for a bad parameter or prompt, before anything is queued.
+        """
+        self.check_model(request)
+        if request.echo:
+            raise RequestError("echo is not supported by minivllm's server", "echo")
+        params = self.sampling_params(request)
+        prompt = _prompt(request.prompt)
+        request_id = f"cmpl-{random_uuid()}"
+        outputs = await self.start(prompt, params, request_id)
+        model = self.served_model_name
+        if request.stream:
+            return self._stream(request, request_id, outputs)
+        result = await self.collect(outputs)
+        choice = CompletionResponseChoice(text=result.text, finish_reason=result.finish_reason,
+                                          stop_reason=result.stop_reason,
+                                          token_ids=result.token_ids if request.return_token_ids else None)
+        return CompletionResponse(id=request_id, model=model, choices=[choice], usage=result.usage,
+                                  prompt_token_ids=result.prompt_token_ids if request.return_token_ids else None)
+
+    async def _stream(self, request: CompletionRequest, request_id: str,
+                      outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
+        model, n_in, n_out = self.served_model_name, 0, 0
+        try:
+            async for out in outputs:
+                c = out.outputs[0]
+                n_in, n_out = len(out.prompt_token_ids), n_out + len(c.token_ids)
+                if not c.text and not c.token_ids and not out.finished:
+                    continue  # text held back by a stop-string window, and no token
+                stop = c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
+                choice = CompletionResponseChoice(text=c.text, finish_reason=c.finish_reason, stop_reason=stop,
+                                                  token_ids=list(c.token_ids) if request.return_token_ids else None)
+                chunk = CompletionStreamResponse(id=request_id, model=model, choices=[choice])
+                yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        finally:
+            await outputs.aclose()
+        if request.stream_options and request.stream_options.include_usage:
+            usage = UsageInfo(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+            chunk = CompletionStreamResponse(id=request_id, model=model, choices=[], usage=usage)
+            yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+def error_event(e: RequestError) -> str:
+    """An error inside a stream that already started (vLLM sends one ``data:`` event with the error body)."""
+    return f"data: {json.dumps(e.to_response().model_dump())}\n\n"
