@@ -36,6 +36,18 @@ def hf_model():
     return model.eval()
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module: the tiny model gains nothing from a second thread, and loses a lot when the
+    other core is busy."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 def make_tiny_engine(traced=False, **kw):
     """A tiny random-weight engine (fp32); keyword arguments override the defaults below.
 

@@ -15,6 +15,8 @@ from tests.conftest import make_tiny_engine, run_all
 
 GREEDY = SamplingParams(temperature=0, max_tokens=1)
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny model runs best on one thread
+
 PROMPT = [(7 * i + 3) % 500 + 1 for i in range(37)]
 
 
@@ -62,15 +64,6 @@ def test_chunked_prefill_off_admits_whole_prompts_only():
 
 
 # ---- the numbers notebook 05 states --------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model gains nothing from a second thread, and loses a lot when the other core is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def engine05(budget, **kw):
     """Notebook 05's engine settings: block size 16, 64 blocks, no prefix caching, batch inputs recorded."""
     kw.setdefault("num_gpu_blocks", 64)

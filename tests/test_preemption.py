@@ -4,12 +4,13 @@ runs to ``max_tokens``, so the schedule depends only on token counts, as in the 
 """
 
 import pytest
-import torch
 
 from minivllm import SamplingParams
 from minivllm.course.trace import TracedLLMEngine
 from minivllm.utils.math_utils import cdiv
 from tests.conftest import make_tiny_engine, run_all
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # the tiny model runs best on one thread
 
 PROMPTS = {f"r{i}": [(13 * i + 5 * j) % 500 + 1 for j in range(8 + 3 * i)] for i in range(4)}
 
@@ -83,15 +84,6 @@ def test_priority_policy_preempts_lowest_priority():
 
 
 # ---- the numbers notebook 06 states --------------------------------------------------------------------
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """The tiny model gains nothing from a second thread, and loses a lot when the other core is busy."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def engine06(num_gpu_blocks, policy="fcfs", prefix_caching=False):
     """Notebook 06's engine settings: block size 4, a small pool."""
     return TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=num_gpu_blocks, scheduling_policy=policy,
