@@ -9,6 +9,9 @@ the attention backend's builder turn it into the backend's metadata, run the mod
 
 This is vLLM's V1 model runner. Model Runner V2 (``minivllm/worker/v2/model_runner.py``) subclasses it and
 changes the request state and the sampling (``_update_states``, ``_sample``).
+
+Just over 300 lines on purpose: it is the one place where a step's phases meet (states, inputs, forward,
+sampling, the connector and CUDA-graph hooks), as ``gpu_model_runner.py`` is in vLLM; each phase is a method.
 """
 
 from __future__ import annotations
