@@ -1,0 +1,172 @@
+"""The course's Chinese text (issue 17), checked in milliseconds: it exists where a Chinese-first learner looks for
+it, and it keeps the glossary's terms.
+
+* every notebook opens (right after its title cell) with a 中文导读 and ends with a 中文小结;
+* ``10_faq`` gives each of its nine answers as a 简答 in Chinese, and its summary table, in both languages, comes
+  before the first question;
+* no Chinese text translates a chunk of a chunked prefill as 块: in Chinese vLLM writing 块 is a KV *block*, and
+  a chunk is 分块 (``notebooks/GLOSSARY.md``); the other terms the glossary settles are not replaced either;
+* ``README.zh-CN.md`` gives README.md's two set-up commands exactly, maps every notebook, and the two READMEs link
+  each other.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
+README = ROOT / "README.md"
+README_ZH = ROOT / "README.zh-CN.md"
+
+CJK = re.compile(r"[\u4e00-\u9fff]")
+
+# Forms the glossary rules out. A chunk is 分块: an ordinal or a position right before 块 ("第二块", "前面的块",
+# "最后一块") reads as a KV block, so the course writes "第二个分块" or, for a block, "最后一个 KV 块".
+FORBIDDEN = [
+    (re.compile(r"(第[一二三四五六七八九十0-9、]+|前面的?|后面的?|最后一|前一|后一|上一|下一)块"),
+     "块 after an ordinal or a position: write 分块 for a chunk, 'N 个 KV 块' for a block"),
+    (re.compile(r"(?<!分)块预填充"), "chunked prefill is 分块预填充"),
+    (re.compile(r"(prefill|预填充)\s*块"), "a prefill chunk is a prefill 分块"),
+    (re.compile(r"令牌|词元"), "the glossary keeps 'token' untranslated"),
+    (re.compile(r"重计算"), "the glossary's term for recompute is 重算"),
+]
+
+
+def forbidden_uses(text):
+    """``[(match, why)]`` for every glossary-forbidden form in ``text``; 「quoted」 examples are exempt."""
+    text = re.sub(r"「[^」]*」", "", text)
+    return [(m.group(0), why) for pattern, why in FORBIDDEN for m in pattern.finditer(text)]
+
+
+def _cells(path):
+    return json.loads(path.read_text(encoding="utf-8"))["cells"]
+
+
+def _src(cell):
+    return "".join(cell["source"])
+
+
+def _chinese_texts():
+    """(name, text) of every piece of the course written in Chinese or holding Chinese."""
+    out = [(README_ZH.name, README_ZH.read_text(encoding="utf-8")), (GLOSSARY.name, GLOSSARY.read_text(encoding="utf-8"))]
+    for path in NOTEBOOKS:
+        for i, c in enumerate(_cells(path)):
+            if CJK.search(_src(c)):
+                out.append((f"{path.name} cell {i}", _src(c)))
+    return out
+
+
+def test_the_course_has_notebooks():
+    assert len(NOTEBOOKS) >= 11, [p.name for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_notebook_opens_with_a_chinese_guide_and_ends_with_a_chinese_summary(path):
+    cells = _cells(path)
+    assert _src(cells[0]).startswith("# "), f"{path.name}: the first cell is the title"
+    guide = _src(cells[1])
+    assert cells[1]["cell_type"] == "markdown" and guide.startswith("## 中文导读\n"), \
+        f"{path.name}: cell 1 (right after the title) must be the markdown cell '## 中文导读'"
+    last = _src(cells[-1])
+    assert cells[-1]["cell_type"] == "markdown" and last.startswith("## 中文小结\n"), \
+        f"{path.name}: the last cell must be the markdown cell '## 中文小结'"
+    # Real text, not a heading alone: at least a few sentences of Chinese each.
+    assert len(CJK.findall(guide)) >= 80, f"{path.name}: 中文导读 has {len(CJK.findall(guide))} Chinese characters"
+    assert len(CJK.findall(last)) >= 80, f"{path.name}: 中文小结 has {len(CJK.findall(last))} Chinese characters"
+    assert "GLOSSARY.md" in guide, f"{path.name}: 中文导读 links the glossary"
+
+
+def test_faq_gives_nine_chinese_short_answers_beside_the_english_ones():
+    cells = _cells(ROOT / "notebooks" / "10_faq.ipynb")
+    questions = [(i, _src(c)) for i, c in enumerate(cells) if re.match(r"## Q\d\. ", _src(c))]
+    assert [re.match(r"## (Q\d)\.", s).group(1) for _, s in questions] == [f"Q{k}" for k in range(1, 10)]
+    for _, s in questions:
+        q = s[3:5]
+        heading = s.splitlines()[0]
+        assert re.search(r"\([^()]*[\u4e00-\u9fff][^()]*\)$", heading), f"{q}: the heading keeps the Chinese question"
+        assert s.count("**Short answer.**") == 1 and s.count("**简答。**") == 1, q
+        assert s.index("**简答。**") > s.index("**Short answer.**"), f"{q}: 简答 follows the English short answer"
+        jianda = s[s.index("**简答。**"):]
+        assert len(CJK.findall(jianda)) >= 150, f"{q}: the 简答 has {len(CJK.findall(jianda))} Chinese characters"
+        # What changes in other configurations is part of the answer, in Chinese too.
+        assert "不同配置下" in jianda or "Model Runner V2" in jianda, q
+    # Exactly nine 简答 in the notebook, none elsewhere.
+    assert sum(_src(c).count("**简答。**") for c in cells) == 9
+
+
+def test_faq_summary_table_comes_first_in_both_languages():
+    cells = _cells(ROOT / "notebooks" / "10_faq.ipynb")
+    first_q = next(i for i, c in enumerate(cells) if _src(c).startswith("## Q1. "))
+    tables = [i for i, c in enumerate(cells) if _src(c).startswith("## Summary")]
+    assert len(tables) == 1 and tables[0] < first_q, (tables, first_q)
+    rows = [r for r in _src(cells[tables[0]]).splitlines() if re.match(r"\| Q\d \|", r)]
+    assert [r[2:4] for r in rows] == [f"Q{k}" for k in range(1, 10)]
+    for r in rows:
+        cols = [c.strip() for c in r.strip().strip("|").split("|")]
+        assert len(cols) == 5, r
+        _, question, english, chinese, shown = cols
+        assert CJK.search(question) and re.search(r"[A-Za-z]{3}", question), r
+        assert not CJK.search(english) and len(english.split()) >= 5, r
+        assert len(CJK.findall(chinese)) >= 15, r
+        assert re.search(r"\[Q\d-[a-d]\]", shown), r
+
+
+def test_detector_flags_chunk_translated_as_block():
+    # The check below can fail: these are the FAQ's old headings and other ways of writing a chunk as 块.
+    for bad in ("第二、三块的计算和第一块有什么区别？", "后面的块只引用前面块的 KV cache 吗？", "前面的块有输出吗？和最后一块的输出有什么不同？",
+                "块预填充", "prefill 块", "令牌预算", "重计算"):
+        assert forbidden_uses(bad), bad
+    for good in ("第二、三个分块的计算和第一个分块有什么区别？", "后面的分块只引用前面分块的 KV cache 吗？", "分块预填充",
+                 "块表从 4 个块增长到 10 个", "一个请求的 KV 块从最后一个开始释放", "token 预算", "重算",
+                 "不写成「第二块」"):
+        assert not forbidden_uses(good), good
+
+
+@pytest.mark.parametrize("name,text", [pytest.param(n, t, id=n) for n, t in _chinese_texts()])
+def test_chinese_text_keeps_the_glossary_terms(name, text):
+    assert forbidden_uses(text) == [], name
+
+
+def test_glossary_defines_chunk_and_block_apart():
+    text = GLOSSARY.read_text(encoding="utf-8")
+    rows = {r.split("|")[1].strip(): r for r in text.splitlines() if r.startswith("| ") and r.count("|") >= 5}
+    assert "分块" in rows["chunk"].split("|")[3] and "KV 块" in rows["KV block"].split("|")[3]
+    assert rows["token budget"].split("|")[3].strip() == "token 预算"
+    assert rows["recompute"].split("|")[3].strip() == "重算" and rows["preemption"].split("|")[3].strip() == "抢占"
+
+
+def _bash_commands(markdown, heading):
+    """The command lines (comments dropped) of the first ```bash block after ``heading``."""
+    start = markdown.index(heading)
+    block = re.search(r"```bash\n(.*?)```", markdown[start:], flags=re.S).group(1)
+    return [line.split("#")[0].strip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+
+def test_chinese_readme_gives_the_readme_set_up_commands_exactly():
+    english = _bash_commands(README.read_text(encoding="utf-8"), "## Two commands")
+    chinese = _bash_commands(README_ZH.read_text(encoding="utf-8"), "## 两条命令")
+    assert len(english) == 2 and chinese == english, (english, chinese)
+
+
+def test_chinese_readme_python_snippet_is_the_readme_one():
+    # The English README's snippet is run by tests/test_readme_commands.py; the Chinese one is an excerpt of it.
+    def code_lines(block):
+        return [line.split("#")[0].rstrip() for line in block.splitlines() if line.split("#")[0].strip()]
+
+    english = code_lines(re.findall(r"```python\n(.*?)```", README.read_text(encoding="utf-8"), flags=re.S)[0])
+    for block in re.findall(r"```python\n(.*?)```", README_ZH.read_text(encoding="utf-8"), flags=re.S):
+        lines = code_lines(block)
+        assert lines and lines == english[:len(lines)], lines
+
+
+def test_chinese_readme_maps_every_notebook_and_the_readmes_link_each_other():
+    zh = README_ZH.read_text(encoding="utf-8")
+    mapped = set(re.findall(r"^\| `(\d\d_\w+)` \|", zh, flags=re.M))
+    assert {p.stem for p in NOTEBOOKS} <= mapped, {p.stem for p in NOTEBOOKS} - mapped
+    assert "](README.md)" in zh and "](notebooks/GLOSSARY.md)" in zh
+    top = README.read_text(encoding="utf-8").split("\n## ")[0]
+    assert "](README.zh-CN.md)" in top, "README.md links README.zh-CN.md before its first section"
