@@ -88,12 +88,13 @@ def _output_text_lines(cell: dict) -> int:
 
 
 def cell_height(cell: dict) -> int:
-    """Estimated height of a cell on a slide, in text lines: markdown wrapped at ``WRAP_CHARS`` characters; code
+    """Estimated height of a cell on a slide, in text lines: markdown wrapped at ``WRAP_CHARS`` characters (a
+    markdown image: ``IMAGE_LINES``); code
     lines plus text-output lines; ``IMAGE_LINES`` for each image, widget or HTML output (an HTML table: its rows,
     at most ``IMAGE_LINES``)."""
     src = _source(cell)
-    if cell["cell_type"] == "markdown":
-        return sum(max(1, -(-len(line) // WRAP_CHARS)) for line in src.splitlines())
+    if cell["cell_type"] == "markdown":  # a line with an image (``![...](...)``) counts as an image
+        return sum(IMAGE_LINES if "![" in line else max(1, -(-len(line) // WRAP_CHARS)) for line in src.splitlines())
     n = len(src.splitlines()) + _output_text_lines(cell)
     for out in cell.get("outputs", []):
         data = out.get("data", {})
@@ -240,6 +241,7 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copy_assets(Path(node_modules), out / "lib")
+    shutil.copytree(ROOT / "images", out / "images", dirs_exist_ok=True)
     c = Config()
     c.SlidesExporter.extra_template_basedirs = [str(TEMPLATE_DIR)]
     c.SlidesExporter.template_name = TEMPLATE_NAME
@@ -255,6 +257,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     for p in paths:
         nb = nbformat.read(p, as_version=4)
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
+        # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
+        body = body.replace('src="../images/', 'src="images/')
         remote = check_offline(body)
         if remote:
             raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
