@@ -224,7 +224,9 @@ def copy_assets(node_modules: Path, lib: Path) -> None:
 def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
            node_modules: Path = ROOT / "node_modules") -> Dict[str, Path]:
     """Export the notebooks ``names`` as reveal.js slides into ``out`` (``<name>.slides.html`` each, an
-    ``index.html`` linking them, the assets in ``out/lib``), from their stored outputs: nothing is executed.
+    ``index.html`` linking them, the assets in ``out/lib`` and ``out/@jupyter-widgets``, the course figures the
+    notebooks show in ``out/images``), from their stored outputs: nothing is executed. The folder is
+    self-contained: copy it to the lecture machine and open ``index.html``.
 
     Returns:
         ``notebook stem -> HTML file``.
