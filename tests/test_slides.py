@@ -1,9 +1,10 @@
 """The lecture notebooks' slide metadata follows the rule in ``minivllm.course.slides``, and the rule does what its
-docstring says. Milliseconds: nothing is exported here (``test_slides_browser.py`` exports and plays the slides)."""
+docstring says. Seconds: nothing is exported here (``test_slides_browser.py`` exports and plays the slides)."""
 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -92,3 +93,17 @@ def test_check_offline_finds_remote_scripts_and_style_sheets():
            "<script type=module>import mermaid from 'https://cdnjs.cloudflare.com/m.mjs';</script>"]
     for b in bad:
         assert len(slides.check_offline(page + b)) == 1, b
+
+
+def test_rise_extension_is_enabled_in_jupyterlab():
+    """README: present from JupyterLab with ``jupyterlab-rise`` (requirements.txt). Lab must list it as enabled
+    and compatible (its dependency ``jupyterlab-mathjax3`` is a Lab 3 extension that Lab 4 reports as
+    incompatible and ignores: not checked)."""
+    import subprocess
+    import sys
+
+    pytest.importorskip("jupyterlab_rise", reason="pip install -r requirements.txt installs jupyterlab-rise")
+    r = subprocess.run([sys.executable, "-m", "jupyter", "labextension", "list"], capture_output=True, text=True,
+                       timeout=120)
+    listing = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
+    assert re.search(r"jupyterlab-rise v[\d.]+ enabled\s+OK", listing), listing
