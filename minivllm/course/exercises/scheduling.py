@@ -184,8 +184,10 @@ def check_schedule_step(fn: Callable) -> int:
     ``num_computed_tokens``); ``token_budget`` is ``max_num_batched_tokens``; ``allocate_slots(request, n)``
     returns ``True`` if blocks for ``n`` more tokens were allocated, ``False`` (nothing changed) if too few are
     free; ``preempt(request)`` removes it from ``running``, frees its blocks, resets its ``num_computed_tokens`` and
-    puts it in front of the waiting queue; ``schedule_waiting(budget)`` is the engine's waiting loop. ``fn`` returns
-    ``{request_id: tokens}`` for the running requests it scheduled.
+    puts it in front of the waiting queue; ``schedule_waiting(budget)`` stands for the engine's waiting loop (its
+    admission rules are notebook 04's, not this exercise: the checker records whether and with which budget it is
+    called, and a correct call admits exactly what the engine admits). ``fn`` returns ``{request_id: tokens}`` for
+    the running requests it scheduled.
 
     Expected: vLLM 0.32's ``Scheduler.schedule`` (FCFS), which is minivllm's. Before every step of the
     ``RUNNING_LOOP_WORKLOADS`` runs ``fn`` is given a copy of the scheduler's state; its preemptions, token counts
