@@ -633,3 +633,23 @@ def test_fixed_connector(capsys):
         ex.check_fixed_connector(OnlyClears)
     assert "test input 2 " in str(e.value) and "step 0: the metadata loads {'B': 0}, expected {}" in str(e.value)
     assert "update_state_after_alloc" in str(e.value)
+
+
+def test_static_batching(capsys):
+    def static(engine, prompts, params, batch_size):
+        for start in range(0, len(prompts), batch_size):
+            for prompt, sp in zip(prompts[start:start + batch_size], params[start:start + batch_size]):
+                engine.add_request(None, prompt, sp)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+    def continuous(engine, prompts, params, batch_size):  # everything at once: the engine batches continuously
+        for prompt, sp in zip(prompts, params):
+            engine.add_request(None, prompt, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    ex.check_static_batching(static)
+    assert capsys.readouterr().out.startswith("✓ static_batching: all 2 tests passed")
+    with pytest.raises(ExerciseFailed, match="add the next batch only after \\*every\\* request"):
+        ex.check_static_batching(continuous)
