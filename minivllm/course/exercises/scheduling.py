@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Tuple
 
 from minivllm.course.exercises._harness import _NotWrittenYet, call, checker, fail
 from minivllm.request import RequestStatus
