@@ -37,7 +37,8 @@ from minivllm.course.exercises.layers import (
 )
 from minivllm.course.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
 from minivllm.course.exercises.prefix_cache import check_longest_cache_hit
-from minivllm.course.exercises.scheduling import check_resume_cost, check_resume_cost_cached, check_schedule_step
+from minivllm.course.exercises.resume import check_resume_cost, check_resume_cost_cached
+from minivllm.course.exercises.scheduling import check_schedule_step
 
 __all__ = [
     "ExerciseFailed",

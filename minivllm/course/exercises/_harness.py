@@ -183,3 +183,10 @@ def check_cases(
             hint = matching_hint(got, args, variants, cmp) if isinstance(got, torch.Tensor) else None
             fail(exercise, desc, problem, hint or general_hint)
     return len(cases)
+
+
+def not_written(value: Any, name: str) -> None:
+    """Raise the harness's "not written yet" signal if ``value`` (called ``name``) is still a notebook's
+    placeholder (``None`` or ``...``)."""
+    if value is None or value is Ellipsis:
+        raise _NotWrittenYet(f"{name} is still {value!r}")

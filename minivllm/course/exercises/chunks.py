@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
-from minivllm.course.exercises._harness import call, checker, fail
+from minivllm.course.exercises._harness import call, checker, fail, not_written
 from minivllm.course.exercises.scheduling import Workload
 
 
@@ -92,8 +92,6 @@ def check_chunk_prediction(predicted) -> int:
     Raises:
         ExerciseFailed: at the first step and request that differ.
     """
-    from minivllm.course.exercises.scheduling import not_written
-
     not_written(predicted, "predicted")
     expected = shared_budget_chunks()
     ex = "chunk_prediction"
