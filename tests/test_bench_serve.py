@@ -142,3 +142,24 @@ def test_bench_serve_against_minivllm_server(tmp_path):
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert "minivllm    50" in r.stdout and "(median over repeats" in r.stdout
     assert (tmp_path / "server-minivllm.log").exists()
+
+
+def test_live_view_reads_both_servers_metrics():
+    """Notebook 11's ``QueueWatch`` parses vLLM's exposition (labels vary, one line per engine) and minivllm's."""
+    from minivllm.course.serving import Frame, frame_html, parse_metrics
+
+    text = "\n".join([
+        "# HELP vllm:num_requests_running Number of requests in model execution batches.",
+        'vllm:num_requests_running{engine="0",model_name="m"} 3.0',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 5.0',
+        'vllm:num_requests_waiting{engine="1",model_name="m"} 2.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.25',
+        'vllm:num_preemptions_total{engine="0",model_name="m"} 4.0',
+        'vllm:num_preemptions_created{engine="0",model_name="m"} 1.7e9',
+        "vllm:num_requests_running_extra 9",
+    ])
+    assert parse_metrics(text) == {"waiting": 7.0, "running": 3.0, "kv_cache_usage": 0.25, "preemptions": 4.0}
+    assert parse_metrics("") == {}
+    html = frame_html(Frame(1.0, waiting=45, running=2, kv_cache_usage=0.5, preemptions=1), max_squares=40)
+    assert html.count("background:#f0a830") == 40 and "+5" in html and html.count("background:#3b7dd8") == 2
+    assert "50.0 %" in html

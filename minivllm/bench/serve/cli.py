@@ -17,6 +17,7 @@ import json
 import math
 import os
 import re
+import shlex
 import statistics
 import sys
 import time
@@ -40,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--model", default=None, help="minivllm's model: 'tiny', a .gguf or a HF folder (default SmolLM2)")
     t.add_argument("--vllm-python", default=None,
                    help="python of the vLLM CPU venv: start 'vllm serve' on the same SmolLM2 weights too")
+    t.add_argument("--vllm-args", default="", metavar="ARGS",
+                   help="extra 'vllm serve' arguments, one string (e.g. '--enforce-eager': no torch.compile at start)")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     t.add_argument("--threads", type=int, default=None, help="CPU threads of each started server (default: theirs)")
     t.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a started server may take")
@@ -180,7 +183,7 @@ def _start_servers(a, log_dir: str) -> Tuple[list, List[dict]]:
             if a.model == "tiny":
                 raise ValueError("--vllm-python needs a real model: vLLM cannot load the tiny random model")
             s = vllm_server(a.vllm_python, folder, free_port(), a.dtype, "vllm-model", a.threads,
-                            log_path=os.path.join(log_dir, "server-vllm.log"))
+                            extra_args=shlex.split(a.vllm_args), log_path=os.path.join(log_dir, "server-vllm.log"))
             started.append(s)
             print(f"[bench serve] starting vllm serve {' '.join(s.cmd[4:])} (log {s.log_path})", flush=True)
             s.start(a.startup_timeout)

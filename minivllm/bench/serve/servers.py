@@ -18,7 +18,7 @@ import socket
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, Sequence
 
 import httpx
 
@@ -126,15 +126,16 @@ def minivllm_server(model: Optional[str], port: int, dtype: str, served_model_na
 
 def vllm_server(python: str, model_dir: str, port: int, dtype: str, served_model_name: str,
                 threads: Optional[int] = None, max_model_len: int = 2048, kv_cache_space_gib: int = 2,
-                log_path: Optional[str] = None) -> ServerProcess:
+                extra_args: Sequence[str] = (), log_path: Optional[str] = None) -> ServerProcess:
     """``vllm serve model_dir`` in interpreter ``python`` (vLLM's CPU build), prefix caching off.
 
     ``threads``: ``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}`` (vLLM's CPU worker binds its OpenMP threads to these
-    cores); ``None``: vLLM's ``auto``. ``kv_cache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
+    cores); ``None``: vLLM's ``auto`` (on two cores: the engine on core 0, core 1 left to the API server).
+    ``extra_args``: more ``vllm serve`` arguments. ``kv_cache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
     """
     cmd = [python, "-c", VLLM_SERVE_LAUNCHER, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
            "--dtype", dtype, "--served-model-name", served_model_name, "--no-enable-prefix-caching",
-           "--max-model-len", str(max_model_len), "--seed", "0", "--disable-log-stats"]
+           "--max-model-len", str(max_model_len), "--seed", "0", "--disable-log-stats", *extra_args]
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false"}
     if threads:
