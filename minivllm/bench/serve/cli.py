@@ -164,7 +164,9 @@ def served_model(base_url: str, api_key: Optional[str]) -> str:
 
 
 # ---- the sweep -------------------------------------------------------------------------------------------------
-def _start_servers(a, log_dir: str) -> Tuple[list, List[dict]]:
+def _start_servers(a, log_dir: str, skipped: Dict[str, str]) -> Tuple[list, List[dict]]:
+    """Start minivllm's server and ``vllm serve`` as asked. A ``vllm serve`` that fails to start is recorded in
+    ``skipped`` (the others still run) unless it was the only target."""
     from minivllm.bench.serve.servers import free_port, minivllm_server, vllm_server
 
     started, targets = [], []
@@ -184,10 +186,16 @@ def _start_servers(a, log_dir: str) -> Tuple[list, List[dict]]:
                 raise ValueError("--vllm-python needs a real model: vLLM cannot load the tiny random model")
             s = vllm_server(a.vllm_python, folder, free_port(), a.dtype, "vllm-model", a.threads,
                             extra_args=shlex.split(a.vllm_args), log_path=os.path.join(log_dir, "server-vllm.log"))
-            started.append(s)
             print(f"[bench serve] starting vllm serve {' '.join(s.cmd[4:])} (log {s.log_path})", flush=True)
-            s.start(a.startup_timeout)
-            print(f"[bench serve] vllm healthy after {s.startup_s:.1f} s", flush=True)
+            try:
+                s.start(a.startup_timeout)
+                started.append(s)
+                print(f"[bench serve] vllm healthy after {s.startup_s:.1f} s", flush=True)
+            except RuntimeError as e:  # an optional peer that cannot start must not cost the other results
+                if not started and not a.base_url:
+                    raise
+                skipped["vllm"] = str(e)
+                print(f"[bench serve] skipping vllm: {str(e).splitlines()[0]} (log {s.log_path})", flush=True)
     except Exception:
         for s in started:
             s.stop()
@@ -256,7 +264,8 @@ def run_benchmark(a) -> Dict:
     targets = [{"name": f"url{i}" if len(a.base_url) > 1 else "url", "base_url": u,
                 "model": a.served_model_name or served_model(u, a.api_key), "api_key": a.api_key}
                for i, u in enumerate(a.base_url)]
-    started, own = _start_servers(a, log_dir)
+    skipped: Dict[str, str] = {}
+    started, own = _start_servers(a, log_dir, skipped)
     targets += own
     runs: List[dict] = []
     try:
@@ -292,7 +301,7 @@ def run_benchmark(a) -> Dict:
     args = {k: v for k, v in vars(a).items() if k not in ("api_key",)}
     return {"args": args, "workload": wl.summary(), "targets": [{k: v for k, v in t.items() if k != "api_key"}
                                                                  for t in targets],
-            "runs": runs, "summary": summarize(runs), "cpu_count": os.cpu_count()}
+            "runs": runs, "summary": summarize(runs), "skipped": skipped, "cpu_count": os.cpu_count()}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -310,6 +319,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = run_benchmark(a)
     print()
     print(format_summary(out["summary"]))
+    for peer, why in out["skipped"].items():
+        print(f"(skipped {peer}: {why.splitlines()[0]})")
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1, default=lambda x: asdict(x) if hasattr(x, "__dataclass_fields__") else str(x))
