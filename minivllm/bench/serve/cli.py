@@ -42,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     t.add_argument("--vllm-python", default=None,
                    help="python of the vLLM CPU venv: start 'vllm serve' on the same SmolLM2 weights too")
     t.add_argument("--vllm-args", default="", metavar="ARGS",
-                   help="extra 'vllm serve' arguments, one string (e.g. '--enforce-eager': no torch.compile at start)")
+                   help="extra 'vllm serve' arguments as one string, given with '=': --vllm-args=--enforce-eager (no torch.compile at start)")
     t.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
     t.add_argument("--threads", type=int, default=None, help="CPU threads of each started server (default: theirs)")
     t.add_argument("--startup-timeout", type=float, default=600.0, help="seconds a started server may take")

@@ -131,11 +131,12 @@ def vllm_server(python: str, model_dir: str, port: int, dtype: str, served_model
 
     ``threads``: ``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}`` (vLLM's CPU worker binds its OpenMP threads to these
     cores); ``None``: vLLM's ``auto`` (on two cores: the engine on core 0, core 1 left to the API server).
-    ``extra_args``: more ``vllm serve`` arguments. ``kv_cache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
+    ``extra_args``: more ``vllm serve`` arguments. Stats logging stays on: with ``--disable-log-stats`` vLLM's
+    ``/metrics`` has no ``vllm:num_preemptions_total`` for the sweep to read. ``kv_cache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
     """
     cmd = [python, "-c", VLLM_SERVE_LAUNCHER, "serve", model_dir, "--port", str(port), "--host", "127.0.0.1",
            "--dtype", dtype, "--served-model-name", served_model_name, "--no-enable-prefix-caching",
-           "--max-model-len", str(max_model_len), "--seed", "0", "--disable-log-stats", *extra_args]
+           "--max-model-len", str(max_model_len), "--seed", "0", *extra_args]
     env = {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_space_gib), "TOKENIZERS_PARALLELISM": "false"}
     if threads:
