@@ -9,7 +9,7 @@ Two machines, one rank each (``MASTER_ADDR`` = the first machine's address)::
 
     # machine A                                                   # machine B
     torchrun --nnodes=2 --node-rank=0 --nproc-per-node=1 \\       torchrun --nnodes=2 --node-rank=1 ... (same)
-        --master-addr=A --master-port=29500 -m minivllm.executor.torchrun_example --tensor-parallel-size 2
+        --master-addr=A --master-port=29500 -m minivllm.entrypoints.torchrun_generate --tensor-parallel-size 2
 """
 
 from __future__ import annotations

@@ -25,10 +25,11 @@ import multiprocessing.connection
 import os
 import pickle
 import socket
+import sys
 import time
 import traceback
 import weakref
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 import torch.multiprocessing as torch_mp
@@ -73,7 +74,7 @@ class WorkerProc:
                 try:
                     method, args, reply = pickle.loads(conn.recv_bytes())
                 except EOFError:
-                    return  # the engine process is gone
+                    break  # the engine process is gone
                 if method == "shutdown":
                     break
                 fn = getattr(worker, method) if isinstance(method, str) else (lambda *a: method(worker, *a))
@@ -81,11 +82,18 @@ class WorkerProc:
                 if reply:
                     conn.send(("output", result))
             worker.shutdown()
+            exit_code = 0
         except BaseException:  # noqa: BLE001 -- any failure is reported to the engine, which stops every rank
+            exit_code = 1
             try:
                 conn.send(("error", f"rank {rank} (pid {os.getpid()}):\n{traceback.format_exc()}"))
             except (OSError, EOFError):
                 pass
+        # Leave at once: here a normal interpreter exit did not finish within the executor's 5 s wait (gloo's and
+        # OpenMP's threads), and the engine had to terminate every worker.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(exit_code)
 
 
 def _kill_workers(procs: List[Any], graceful: bool) -> None:
