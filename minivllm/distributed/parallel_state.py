@@ -90,17 +90,29 @@ def get_tensor_model_parallel_world_size() -> int:
 
 
 @contextlib.contextmanager
-def full_model_view() -> Iterator[None]:
-    """Build layers as a group of one while inside: the loader builds the whole model this way to draw dummy
-    weights exactly as a single-device engine does, then hands each rank its share. Collectives are not
-    affected (nothing runs inside)."""
+def build_as_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Build layers as rank ``rank`` of ``world_size`` while inside, without a process group: the loader builds
+    the whole model as ``build_as_rank(0, 1)`` (``full_model_view``) to draw dummy weights exactly as a single
+    device does, and the course builds each rank's share in one process to look at it. Nothing inside may run a
+    collective (there is no group).
+
+    Raises:
+        ValueError: for a rank outside ``[0, world_size)``.
+    """
     global _TP_RANK, _TP_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
     saved = _TP_RANK, _TP_SIZE
-    _TP_RANK, _TP_SIZE = 0, 1
+    _TP_RANK, _TP_SIZE = rank, world_size
     try:
         yield
     finally:
         _TP_RANK, _TP_SIZE = saved
+
+
+def full_model_view():
+    """``build_as_rank(0, 1)``: build the whole, unsharded model."""
+    return build_as_rank(0, 1)
 
 
 def torchrun_env() -> Optional[tuple]:
