@@ -27,7 +27,7 @@ Where minivllm differs from vLLM:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Protocol, Tuple
 
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -70,6 +70,8 @@ class EngineCore:
         scheduler_cls = AsyncScheduler if sched.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
         parallel = vllm_config.parallel_config
+        # A ModelRunner (one device) or an executor: all three have execute_model(scheduler_output).
+        self.model_executor: Any
         if parallel.tensor_parallel_size > 1 and parallel.distributed_executor_backend == "external_launcher":
             from minivllm.executor.external_launcher import ExecutorWithExternalLauncher
             self.model_executor = ExecutorWithExternalLauncher(vllm_config)

@@ -57,8 +57,11 @@ class Worker:
         cfg = self.vllm_config
         model = get_model(cfg.model_config, cfg.load_config, self.device, cfg.dtype)
         runner_cls = ModelRunnerV2 if cfg.scheduler_config.use_v2_model_runner else ModelRunner
+        # No CUDA graphs across ranks: capturing NCCL collectives in minivllm's decode graphs is untested (vLLM
+        # captures them; this course has had no multi-GPU machine to check it on).
+        enforce_eager = cfg.enforce_eager or cfg.parallel_config.tensor_parallel_size > 1
         self.model_runner = runner_cls(model, cfg.cache_config.num_gpu_blocks, cfg.cache_config.block_size,
-                                       self.device, cfg.seed, None, cfg.attention_backend, cfg.enforce_eager)
+                                       self.device, cfg.seed, None, cfg.attention_backend, enforce_eager)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
         return self.model_runner.execute_model(scheduler_output)
