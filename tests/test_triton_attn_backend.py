@@ -7,14 +7,11 @@ triton; as in ``tests/test_triton_kernels.py`` (read why there), this file runs 
 with ``TRITON_INTERPRET=1`` (``test_in_fresh_process``). The tests of the selector outside the interpreter run here.
 """
 
-import os
 import random
-import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from triton_child import run_under_interpreter, where_it_runs
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -r requirements.txt installs it on Linux)")
 
@@ -44,26 +41,11 @@ INTERPRETED_HERE = triton_language_interpreted() and is_interpreted(kernel_unifi
 if interpreter_problem():
     pytest.skip(interpreter_problem(), allow_module_level=True)
 OUTSIDE_THE_INTERPRETER = ("test_in_fresh_process", "test_selector_outside_the_interpreter")
-
-
-@pytest.fixture(autouse=True)
-def _where_it_runs(request):
-    if request.node.name in OUTSIDE_THE_INTERPRETER:
-        if INTERPRETED_HERE:
-            pytest.skip("runs in the parent process, without TRITON_INTERPRET")
-    elif not INTERPRETED_HERE:
-        pytest.skip("runs under TRITON_INTERPRET=1 in the child process of test_in_fresh_process")
+_where_it_runs = where_it_runs(INTERPRETED_HERE, OUTSIDE_THE_INTERPRETER)
 
 
 def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"),
-               MINIVLLM_CPU_KERNELS="0")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"^(\d+) passed, 2 skipped in", summary), proc.stdout[-2000:]
-    assert int(summary.split()[0]) >= 6
+    run_under_interpreter(__file__, min_passed=6, MINIVLLM_CPU_KERNELS="0")
 
 
 def test_selector_outside_the_interpreter():

@@ -7,17 +7,18 @@ Shapes are small: the interpreter runs each program instance in NumPy, about a s
 """
 
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 import torch
+from triton_child import run_under_interpreter, where_it_runs
 
 pytest.importorskip("triton", reason="triton is not installed (pip install -r requirements.txt installs it on Linux)")
 
 from minivllm.attention.ops import triton_reshape_and_cache_flash as rc  # noqa: E402
 from minivllm.attention.ops import triton_unified_attention as ua  # noqa: E402
+from minivllm.bench.gpu_check import paged_batch  # noqa: E402
 from minivllm.attention.ops.triton_utils import (  # noqa: E402
     interpreter_problem,
     is_interpreted,
@@ -26,41 +27,17 @@ from minivllm.attention.ops.triton_utils import (  # noqa: E402
 from minivllm.attention.backend import AttentionMetadata  # noqa: E402
 from minivllm.attention.backends.reference import reference_paged_attention  # noqa: E402
 from minivllm.attention.paged_attention import write_kv_cache  # noqa: E402
-from minivllm.worker.block_table import create_common_attn_metadata  # noqa: E402
 
-# How the interpreter gets switched on, reliably. TRITON_INTERPRET is read by every @triton.jit decorator, and
-# triton.language's own helpers (tl.max, tl.sum, tl.cdiv) are @triton.jit functions decorated when triton is
-# first imported; setting the variable later fails ("Cannot call @triton.jit'd outside of the scope of a kernel",
-# or an assertion in triton's later imports), and torch._dynamo imports triton too (through transformers' models,
-# for instance). Setting it at the top of this file would work only if nothing imported triton earlier in the
-# pytest process, and would then stay on for every later test and every process they start (notebook kernels
-# under nbval included). So this file runs itself in a child process that starts with TRITON_INTERPRET=1
-# (`test_in_fresh_process`); the kernel tests run there, and here they skip saying so. To run them directly:
-# TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py
+# The kernel tests run in a child process under TRITON_INTERPRET=1: tests/triton_child.py says why.
 INTERPRETED_HERE = triton_language_interpreted() and is_interpreted(ua.kernel_unified_attention)
 if interpreter_problem():
     pytest.skip(interpreter_problem(), allow_module_level=True)
 OUTSIDE_THE_INTERPRETER = ("test_in_fresh_process", "test_kernels_compile_for_hopper")
-
-
-@pytest.fixture(autouse=True)
-def _where_it_runs(request):
-    if request.node.name in OUTSIDE_THE_INTERPRETER:
-        if INTERPRETED_HERE:
-            pytest.skip("runs in the parent process, without TRITON_INTERPRET")
-    elif not INTERPRETED_HERE:
-        pytest.skip("runs under TRITON_INTERPRET=1 in the child process of test_in_fresh_process")
+_where_it_runs = where_it_runs(INTERPRETED_HERE, OUTSIDE_THE_INTERPRETER)
 
 
 def test_in_fresh_process():
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", __file__],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
-    # Everything passed there except the two tests that run here.
-    summary = proc.stdout.strip().splitlines()[-1]
-    assert re.search(r"^(\d+) passed, 2 skipped in", summary), proc.stdout[-2000:]
-    assert int(summary.split()[0]) >= 25
+    run_under_interpreter(__file__, min_passed=25)
 
 
 def test_kernels_compile_for_hopper():
@@ -80,20 +57,9 @@ TOL = {torch.float32: 2e-5, torch.float16: 3e-3}
 
 def make_batch(ctxs, qlens, num_heads=6, num_kv_heads=2, head_dim=64, block_size=16, dtype=torch.float32, seed=0):
     """A paged cache with random contents, each request's blocks scattered at random ids (plus unused blocks),
-    and the matching ``AttentionMetadata``. Returns ``(query, kv_cache, md)``."""
-    g = torch.Generator().manual_seed(seed)
-    seq_lens = [c + q for c, q in zip(ctxs, qlens)]
-    nblk = [-(-s // block_size) for s in seq_lens]
-    num_blocks = sum(nblk) + 3
-    ids = torch.randperm(num_blocks, generator=g)[: sum(nblk)].tolist()
-    tables, o = [], 0
-    for n in nblk:
-        tables.append(ids[o : o + n])
-        o += n
-    kv_cache = torch.randn(2, num_blocks, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
-    query = torch.randn(sum(qlens), num_heads, head_dim, generator=g).to(dtype)
-    cm = create_common_attn_metadata(tables, list(ctxs), list(qlens), block_size)
-    md = AttentionMetadata(**AttentionMetadata.common_fields(cm, block_size))
+    and the matching ``AttentionMetadata`` (gpu_check's batch, on the CPU). Returns ``(query, kv_cache, md)``."""
+    query, kv_cache, _, md = paged_batch(ctxs, qlens, num_heads, num_kv_heads, head_dim, block_size, dtype, "cpu",
+                                         seed=seed)
     return query, kv_cache, md
 
 

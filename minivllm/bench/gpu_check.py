@@ -102,7 +102,7 @@ def available_backends(device: str, dtype: str, head_size: int = 64) -> List[str
             get_attn_backend(torch.device(device), getattr(torch, dtype), name, head_size=head_size)
             ok.append(name)
         except ValueError:
-            pass
+            pass  # the selector refuses this backend for this device, dtype or head size: not a candidate here
     return ok
 
 
@@ -139,7 +139,7 @@ def section_env(ctx: Context) -> Dict:
 
 
 # ---- kernels ------------------------------------------------------------------------------------------------
-def _paged_batch(ctxs, qlens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
+def paged_batch(ctxs, qlens, num_heads, num_kv_heads, head_dim, block_size, dtype, device, seed=0):
     """Random queries and a paged cache with scattered blocks, and the step's ``CommonAttentionMetadata`` and
     reference ``AttentionMetadata``. Returns ``(query, kv_cache, cm, md)``."""
     import torch
@@ -203,7 +203,7 @@ def section_kernels(ctx: Context) -> Dict:
     for i, (name, ctxs, qlens, h, kvh, d, bs) in enumerate(_kernel_cases(dry)):
         # float16 on the first two cases only: each (dtype, shape) is one more Triton compile on the GPU.
         for dtype in [t for t in dtypes if t != torch.float16 or i < 2]:
-            query, kv_cache, _, md = _paged_batch(ctxs, qlens, h, kvh, d, bs, dtype, dev)
+            query, kv_cache, _, md = paged_batch(ctxs, qlens, h, kvh, d, bs, dtype, dev)
             ref = reference_paged_attention(query.float(), kv_cache.float(), md, d ** -0.5)
             res = torch.full_like(query, float("nan"))
             segments = ua.choose_num_segments(len(ctxs), kvh, max(qlens), max(md.seq_lens_cpu))
@@ -318,7 +318,7 @@ def _time_decode_kernels(ctx: Context) -> List[Dict]:
              ("llama1b_64_decodes", 64, 100, 430, 32, 8)]
     for name, n, lo, hi, h, kvh in cases:
         ctxs = rng.integers(lo, hi + 1, n).tolist()
-        query, kv_cache, cm, _ = _paged_batch(ctxs, [1] * n, h, kvh, 64, 16, torch.bfloat16, "cuda")
+        query, kv_cache, cm, _ = paged_batch(ctxs, [1] * n, h, kvh, 64, 16, torch.bfloat16, "cuda")
         row = {"case": name, "num_seqs": n, "keys": sum(cm.seq_lens_cpu)}
         row.update(_time_both(query, kv_cache, cm))
         rows.append(row)

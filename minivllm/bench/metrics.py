@@ -136,9 +136,9 @@ class PeakMemory:
         else:
             try:
                 with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
+                    f.write("5")  # resets VmHWM, so the peak is this run's, not the process's
             except OSError:
-                pass
+                pass  # not Linux, or not allowed: the peak then counts from the process's start
         return self
 
     def __exit__(self, *exc) -> None:
@@ -158,7 +158,7 @@ def _vm_hwm_mib() -> float:
                 if line.startswith("VmHWM:"):
                     return int(line.split()[1]) / 1024
     except OSError:
-        pass
+        pass  # no /proc: getrusage's lifetime maximum below
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 

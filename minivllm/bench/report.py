@@ -91,7 +91,7 @@ def environment() -> Dict:
         with open("/proc/cpuinfo") as f:
             cpu = next((l.split(":", 1)[1].strip() for l in f if l.startswith("model name")), cpu)
     except OSError:
-        pass
+        pass  # no /proc/cpuinfo: the platform's processor name stays
     import transformers
 
     return {

@@ -110,6 +110,38 @@ def run_live(scenario: Dict[str, Any], add_request: Callable[[Dict[str, Any]], N
     return n
 
 
+class ScriptedSchedulerAdapter:
+    """What both schedulers' adapters for ``run_scripted`` share: vLLM's and minivllm's ``Scheduler`` have the same
+    ``schedule()`` / ``update_from_output()`` surface and ``ModelRunnerOutput`` fields, so only adding a request,
+    asking whether any is unfinished, and which ``ModelRunnerOutput`` class to build differ (the subclasses).
+
+    ``sched`` is the scheduler, instrumented to file its steps (and its finished requests) into the ``StepLog``.
+    """
+
+    sched: Any
+    model_runner_output_cls: Any
+
+    def schedule(self):
+        return self.sched.schedule()
+
+    def scheduled_ids(self, so) -> List[str]:
+        return list(so.num_scheduled_tokens)
+
+    def will_sample(self, rid: str) -> bool:
+        # Right after schedule(): the step reaches the end of the known sequence (plus the output placeholders
+        # of the steps before it under async scheduling), on either side.
+        return not self.sched.requests[rid].is_prefill_chunk
+
+    def make_output(self, so, sampled: Dict[str, List[int]]):
+        ids = self.scheduled_ids(so)
+        return self.model_runner_output_cls(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
+                                            sampled_token_ids=[list(sampled[r]) for r in ids])
+
+    def update(self, so, mro) -> None:
+        self.sched.update_from_output(so, mro)
+        return None  # the instrumented update_from_output has filed this step's finished requests
+
+
 def run_scripted(scenario: Dict[str, Any], adapter: Any, depth: int, log: StepLog) -> None:
     """Drive a scheduler with hand-made model-runner outputs, as vLLM's scheduler unit tests do.
 

@@ -36,7 +36,7 @@ MODE_FLAGS = {  # mode -> (model_runner, async_scheduling, live)
 
 
 class _Meta(KVConnectorMetadata):
-    pass
+    """The metadata each step's ``build_connector_meta`` returns; empty: only the calls are recorded."""
 
 
 class EventRecordingConnector(KVConnectorBase):
@@ -232,35 +232,15 @@ def replay_live(scenario: Dict[str, Any], model_dir: Optional[str] = None) -> Di
     return {"steps": log.finish(), "outputs": final}
 
 
-class _ScriptedAdapter:
+class _ScriptedAdapter(driver.ScriptedSchedulerAdapter):
     def __init__(self, engine, log: driver.StepLog) -> None:
-        self.engine, self.sched = engine, engine.scheduler
+        from minivllm.outputs import ModelRunnerOutput
+
+        self.engine, self.sched, self.model_runner_output_cls = engine, engine.scheduler, ModelRunnerOutput
         _instrument(self.sched, log)
 
     def add_request(self, spec):
         _add(self.engine, spec)
-
-    def schedule(self):
-        return self.sched.schedule()
-
-    def scheduled_ids(self, so):
-        return list(so.num_scheduled_tokens)
-
-    def will_sample(self, rid):
-        # Right after schedule(): the step reaches the end of the known sequence (plus the output placeholders
-        # of the steps before it under async scheduling), as on vLLM's side.
-        return not self.sched.requests[rid].is_prefill_chunk
-
-    def make_output(self, so, sampled):
-        from minivllm.outputs import ModelRunnerOutput
-
-        ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=[list(sampled[r]) for r in ids])
-
-    def update(self, so, mro):
-        self.sched.update_from_output(so, mro)
-        return None  # filed by the instrumented update_from_output
 
     def has_unfinished(self):
         return self.sched.has_unfinished_requests()

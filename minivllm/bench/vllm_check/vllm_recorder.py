@@ -295,10 +295,13 @@ def build_scheduler(eng, config_dir, v2, async_scheduling):
     return sched
 
 
-class _ScriptedAdapter:
+class _ScriptedAdapter(driver.ScriptedSchedulerAdapter):
     def __init__(self, sched, scenario, log):
         from vllm.utils.hashing import sha256
         from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+        from vllm.v1.outputs import ModelRunnerOutput
+
+        self.model_runner_output_cls = ModelRunnerOutput
 
         init_none_hash(sha256)
         self.sched, self.log, self.eos = sched, log, scenario.get("eos_token_id", 2)
@@ -315,26 +318,6 @@ class _ScriptedAdapter:
         self.sched.add_request(Request(request_id=spec["id"], prompt_token_ids=list(spec["prompt_token_ids"]),
                                        sampling_params=sp, pooling_params=None, arrival_time=self.t,
                                        block_hasher=self.hasher))
-
-    def schedule(self):
-        return self.sched.schedule()
-
-    def scheduled_ids(self, so):
-        return list(so.num_scheduled_tokens)
-
-    def will_sample(self, rid):
-        return not self.sched.requests[rid].is_prefill_chunk
-
-    def make_output(self, so, sampled):
-        from vllm.v1.outputs import ModelRunnerOutput
-
-        ids = list(so.num_scheduled_tokens)
-        return ModelRunnerOutput(req_ids=ids, req_id_to_index={r: i for i, r in enumerate(ids)},
-                                 sampled_token_ids=[list(sampled[r]) for r in ids])
-
-    def update(self, so, mro):
-        self.sched.update_from_output(so, mro)
-        return None  # the instrumented update_from_output already filed "finished"
 
     def has_unfinished(self):
         return self.sched.get_num_unfinished_requests() > 0

@@ -136,29 +136,27 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
 
     @app.post("/v1/completions", response_model=None)
     async def create_completion(request: CompletionRequest, raw_request: Request) -> Any:
-        if request.stream:  # a stream notices a disconnect when its next chunk cannot be sent
-            result = await completion.create_completion(request)
-        else:
-            result = await with_cancellation(raw_request, completion.create_completion(request))
-        if isinstance(result, Response):
-            return result
-        if isinstance(result, BaseModel):
-            return JSONResponse(result.model_dump(exclude_none=True))
-        return StreamingResponse(result, media_type="text/event-stream")
+        return await _respond(request.stream, raw_request, completion.create_completion(request))
 
     @app.post("/v1/chat/completions", response_model=None)
     async def create_chat_completion(request: ChatCompletionRequest, raw_request: Request) -> Any:
-        if request.stream:  # a stream notices a disconnect when its next chunk cannot be sent
-            result = await chat.create_chat_completion(request)
-        else:
-            result = await with_cancellation(raw_request, chat.create_chat_completion(request))
-        if isinstance(result, Response):
-            return result
-        if isinstance(result, BaseModel):
-            return JSONResponse(result.model_dump(exclude_none=True))
-        return StreamingResponse(result, media_type="text/event-stream")
+        return await _respond(request.stream, raw_request, chat.create_chat_completion(request))
 
     return app
+
+
+async def _respond(stream: bool, raw_request: Request, handler: Awaitable[Any]) -> Any:
+    """Turns a serving class's result (an error response, a whole response or a stream of SSE lines) into HTTP.
+
+    A whole response is awaited under ``with_cancellation`` so a client that disconnects aborts its request; a
+    stream notices the disconnect itself, when its next chunk cannot be sent.
+    """
+    result = await (handler if stream else with_cancellation(raw_request, handler))
+    if isinstance(result, Response):
+        return result
+    if isinstance(result, BaseModel):
+        return JSONResponse(result.model_dump(exclude_none=True))
+    return StreamingResponse(result, media_type="text/event-stream")
 
 
 class _Server(uvicorn.Server):

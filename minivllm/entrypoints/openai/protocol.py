@@ -136,32 +136,38 @@ class ChatCompletionRequest(_SamplingRequest):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class CompletionResponseChoice(OpenAIBaseModel):
+class _ResponseChoice(OpenAIBaseModel):
+    """The fields every choice shares, completion or chat, whole or streamed (vLLM's protocol repeats them)."""
+
     index: int = 0
-    text: str
     logprobs: None = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     token_ids: Optional[List[int]] = None
 
 
-class CompletionResponse(OpenAIBaseModel):
+class _Response(OpenAIBaseModel):
+    """The envelope every response and stream chunk shares; ``object`` is set by each subclass."""
+
     id: str
-    object: Literal["text_completion"] = "text_completion"
     created: int = Field(default_factory=lambda: int(time.time()))
     model: str
-    choices: List[CompletionResponseChoice]
     usage: Optional[UsageInfo] = None
+
+
+class CompletionResponseChoice(_ResponseChoice):
+    text: str
+
+
+class CompletionResponse(_Response):
+    object: Literal["text_completion"] = "text_completion"
+    choices: List[CompletionResponseChoice]
     prompt_token_ids: Optional[List[int]] = None
 
 
-class CompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class CompletionStreamResponse(_Response):
     object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: List[CompletionResponseChoice]
-    usage: Optional[UsageInfo] = None
 
 
 class ChatResponseMessage(OpenAIBaseModel):
@@ -169,20 +175,14 @@ class ChatResponseMessage(OpenAIBaseModel):
     content: Optional[str] = None
 
 
-class ChatCompletionResponseChoice(OpenAIBaseModel):
-    index: int = 0
+class ChatCompletionResponseChoice(_ResponseChoice):
     message: ChatResponseMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[List[int]] = None
 
 
-class ChatCompletionResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionResponse(_Response):
+    """A whole chat completion; unlike the stream chunks, it always carries ``usage``."""
+
     object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: List[ChatCompletionResponseChoice]
     usage: UsageInfo
     prompt_token_ids: Optional[List[int]] = None
@@ -193,19 +193,10 @@ class DeltaMessage(OpenAIBaseModel):
     content: Optional[str] = None
 
 
-class ChatCompletionResponseStreamChoice(OpenAIBaseModel):
-    index: int = 0
+class ChatCompletionResponseStreamChoice(_ResponseChoice):
     delta: DeltaMessage
-    logprobs: None = None
-    finish_reason: Optional[str] = None
-    stop_reason: Optional[Union[int, str]] = None
-    token_ids: Optional[List[int]] = None
 
 
-class ChatCompletionStreamResponse(OpenAIBaseModel):
-    id: str
+class ChatCompletionStreamResponse(_Response):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
     choices: List[ChatCompletionResponseStreamChoice]
-    usage: Optional[UsageInfo] = None
