@@ -218,3 +218,32 @@ def test_tp3_real_model_greedy_tokens_equal_tp1():
         assert [c.shape[3] for c in heads] == [1, 1, 1]
     finally:
         three.shutdown()
+
+
+def _exited(pid: int) -> bool:
+    """Gone, or a zombie: exited, waiting to be reaped by whoever adopted it (a container's init may never)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
+
+
+def test_workers_exit_when_the_engine_process_is_killed():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import os\nfrom minivllm import LLMEngine\n"
+            "e = LLMEngine('tiny', tensor_parallel_size=2, num_gpu_blocks=16)\n"
+            "print(*e.engine_core.model_executor.pids, flush=True)\n"
+            "os.kill(os.getpid(), 9)\n")  # no shutdown, no atexit: only the closed pipes tell the workers
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
+    pids = [int(p) for p in out.stdout.split()]
+    assert out.returncode == -signal.SIGKILL and len(pids) == 2, out.stderr[-2000:]
+    deadline = time.monotonic() + 30
+    while not all(_exited(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert all(_exited(p) for p in pids)
