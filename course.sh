@@ -2,7 +2,7 @@
 # One entry point for the two things a new user does:
 #   ./course.sh lab    install everything into .venv and open the course in JupyterLab
 #   ./course.sh test   install everything into .venv, run ruff and mypy, then the whole test suite (notebooks included)
-# Other commands: ./course.sh install | bench [args] | figures | gpu-check [args] | vllm-check [args]
+# Other commands: ./course.sh install | slides | bench [args] | figures | gpu-check [args] | vllm-check [args]
 set -euo pipefail
 cd "$(dirname "$0")"
 VENV=${MINIVLLM_VENV:-.venv}
@@ -41,6 +41,21 @@ install_browser() {
   fi
 }
 
+install_node() {
+  # reveal.js, RequireJS and the Jupyter widget manager for the offline slides, versions pinned in
+  # package-lock.json; reused while the lock file is unchanged.
+  local stamp
+  if ! command -v npm >/dev/null 2>&1; then
+    echo "!! npm not found: the slides cannot be exported and their browser test will be skipped (sudo apt-get install npm)"
+    return 0
+  fi
+  stamp="$(sha256sum package-lock.json | cut -d' ' -f1)"
+  if [ -d node_modules ] && [ "$(cat node_modules/.minivllm-ready 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  echo "==> installing the slides' JavaScript packages into node_modules (npm ci)"
+  npm ci --no-audit --no-fund --loglevel=error
+  echo "$stamp" > node_modules/.minivllm-ready
+}
+
 install_vllm() {
   # vLLM's CPU build in its own venv (it pins its own torch); reused while requirements-vllm.txt is unchanged.
   local venv=${MINIVLLM_VLLM_VENV:-.venv-vllm} stamp
@@ -66,12 +81,19 @@ case "${1:-}" in
   test)
     install
     install_browser
+    install_node
     shift
     echo "==> ruff (unused imports, undefined names) and mypy (core, scheduler, engine): see pyproject.toml"
     "$VENV/bin/python" -m ruff check
     "$VENV/bin/python" -m mypy
     exec "$VENV/bin/python" -m pytest tests notebooks --nbval --nbval-current-env \
       --nbval-sanitize-with notebooks/sanitize.cfg "$@"
+    ;;
+  slides)
+    # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed).
+    install
+    install_node
+    exec "$VENV/bin/python" -m minivllm.course.slides export --out build/slides
     ;;
   bench)
     shift
@@ -96,7 +118,7 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m minivllm.bench.vllm_check --vllm-python "${MINIVLLM_VLLM_VENV:-.venv-vllm}/bin/python" "$@"
     ;;
   *)
-    echo "usage: ./course.sh lab | test | install | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2
+    echo "usage: ./course.sh lab | test | install | slides | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2
     exit 2
     ;;
 esac

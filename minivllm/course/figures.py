@@ -25,7 +25,7 @@ from typing import Callable, Dict, List, Optional
 FIGURES: Dict[str, Callable[[Path], None]] = {}
 """``file name -> function(path)`` for every registered figure."""
 
-FIGURE_MODULES: List[str] = ["minivllm.course.figures"]
+FIGURE_MODULES: List[str] = ["minivllm.course.figures", "minivllm.course.diagrams"]
 """Modules imported by ``main`` so that their ``@register`` decorators run (add yours here)."""
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images"

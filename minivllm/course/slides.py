@@ -1,0 +1,312 @@
+"""Lecture slides from the notebooks: the slide-type rule, and the offline reveal.js export.
+
+The notebooks a lecture shows (``SLIDE_NOTEBOOKS``) carry ``metadata.slideshow.slide_type`` on every cell, as
+JupyterLab's property inspector, RISE (``jupyterlab-rise``) and nbconvert's ``SlidesExporter`` read it. The
+metadata is not written by hand: ``slide_types`` derives it from the cells, so it can be re-applied after anyone
+edits a notebook (``python -m minivllm.course.slides apply``), and ``tests/test_slides.py`` checks that the
+stored metadata is what the rule gives. The rule, in order, for each cell:
+
+1. A markdown cell opening with ``# `` or ``## `` opens a slide; one opening with ``### `` or deeper, a subslide.
+2. Skipped (they stay in the notebook, not on the screen): the first code cell (imports and set-up), code cells
+   without outputs longer than ``MAX_SILENT_CODE_LINES`` (helper definitions), code cells whose text output is
+   longer than ``MAX_OUTPUT_LINES``, and worked solutions (a code cell opening with ``# Solution``, a markdown cell
+   opening with ``A solution``): a lecture leaves them to the learners.
+3. A markdown cell opening with ``**Under other configurations.**`` (the FAQ's per-configuration details) goes to
+   the speaker notes (``notes``).
+4. Any other cell continues the current slide, unless its estimated height (``cell_height``) would take the slide
+   past ``MAX_SLIDE_LINES``: then it opens a subslide (reveal.js slides have a fixed size; the export also lets a
+   slide that is still too long scroll).
+
+The export (``export``) runs nbconvert's ``SlidesExporter`` with the template in ``slides_template/``, which
+differs from nbconvert's ``reveal`` template only in loading nothing from the network: reveal.js, RequireJS and
+the Jupyter widget manager (``@jupyter-widgets/html-manager``, which renders the saved widget state, so the queue
+animator plays without a kernel) are copied from ``node_modules/`` (``npm ci``, versions pinned in
+``package.json`` and ``package-lock.json``) into ``lib/`` next to the HTML and referenced by relative path. The
+notebooks have no LaTeX and no Mermaid, so MathJax and Mermaid, which nbconvert would load from a CDN, are left
+out (``check_offline`` fails on any ``http(s)`` script or style sheet).
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Dict, Iterable, List, Optional, Sequence
+
+ROOT = Path(__file__).resolve().parents[2]
+NOTEBOOKS_DIR = ROOT / "notebooks"
+TEMPLATE_DIR = Path(__file__).resolve().parent / "slides_template"
+TEMPLATE_NAME = "minivllm_reveal"
+DEFAULT_OUT = ROOT / "build" / "slides"
+
+#: The notebooks a lecture shows, as slides.
+SLIDE_NOTEBOOKS = (
+    "04_continuous_batching", "05_chunked_prefill", "06_preemption", "08_kv_connector", "10_faq",
+)
+SLIDE_TYPES = ("slide", "subslide", "fragment", "-", "skip", "notes")
+
+MAX_SLIDE_LINES = 26        # estimated lines that fit on one 1280x800 slide at the export's font size
+MAX_SILENT_CODE_LINES = 25  # longer code cells without outputs are helper definitions: skipped
+MAX_OUTPUT_LINES = 60       # longer text outputs cannot be read on a slide: skipped
+IMAGE_LINES = 16            # an image, a widget or an HTML table counts as this many lines
+WRAP_CHARS = 100            # a markdown line is wrapped at about this many characters on a slide
+
+# Files copied from node_modules into <out>/lib (source relative to node_modules, destination relative to lib).
+ASSETS = (
+    ("reveal.js/dist", "reveal.js/dist"),
+    ("reveal.js/plugin/notes", "reveal.js/plugin/notes"),
+    ("requirejs/require.js", "require.js"),
+    # the widget manager's bundle finds its fonts by its npm path relative to the page (as on a CDN):
+    # it keeps that path, beside the HTML rather than in lib/
+    ("@jupyter-widgets/html-manager/dist", "../@jupyter-widgets/html-manager/dist"),
+)
+
+
+def _source(cell: dict) -> str:
+    src = cell.get("source", "")
+    return "".join(src) if isinstance(src, list) else src
+
+
+def _output_text_lines(cell: dict) -> int:
+    n = 0
+    for out in cell.get("outputs", []):
+        if out.get("output_type") == "stream":
+            text = out.get("text", "")
+            n += len(("".join(text) if isinstance(text, list) else text).splitlines())
+        elif "data" in out:
+            data = out["data"]
+            if any(k.startswith("image/") or k.startswith("application/vnd.jupyter.widget") for k in data):
+                continue
+            if "text/html" in data:
+                continue
+            text = data.get("text/plain", "")
+            n += len(("".join(text) if isinstance(text, list) else text).splitlines())
+    return n
+
+
+def cell_height(cell: dict) -> int:
+    """Estimated height of a cell on a slide, in text lines: markdown wrapped at ``WRAP_CHARS`` characters (a
+    markdown image: ``IMAGE_LINES``); code
+    lines plus text-output lines; ``IMAGE_LINES`` for each image, widget or HTML output (an HTML table: its rows,
+    at most ``IMAGE_LINES``)."""
+    src = _source(cell)
+    if cell["cell_type"] == "markdown":  # a line with an image (``![...](...)``) counts as an image
+        return sum(IMAGE_LINES if "![" in line else max(1, -(-len(line) // WRAP_CHARS)) for line in src.splitlines())
+    n = len(src.splitlines()) + _output_text_lines(cell)
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        if any(k.startswith("image/") or k.startswith("application/vnd.jupyter.widget") for k in data):
+            n += IMAGE_LINES
+        elif "text/html" in data:
+            rows = "".join(data["text/html"]).count("<tr")
+            n += min(IMAGE_LINES, rows + 1)
+    return n
+
+
+def _skipped(cell: dict, first_code: bool) -> bool:
+    src = _source(cell).lstrip()
+    if cell["cell_type"] == "markdown":
+        return src.startswith("A solution")
+    if first_code or src.startswith("# Solution"):
+        return True
+    if not cell.get("outputs") and len(src.splitlines()) > MAX_SILENT_CODE_LINES:
+        return True
+    return _output_text_lines(cell) > MAX_OUTPUT_LINES
+
+
+def slide_types(cells: Sequence[dict]) -> List[str]:
+    """The slide type of every cell of a notebook, by the rule in this module's docstring.
+
+    Args:
+        cells: the notebook's cells (nbformat 4 dicts: ``cell_type``, ``source``, ``outputs``).
+
+    Returns:
+        One of ``"slide"``, ``"subslide"``, ``"-"``, ``"skip"``, ``"notes"`` per cell, in order.
+    """
+    types: List[str] = []
+    used = 0  # estimated lines on the current (sub)slide
+    seen_code = False
+    for cell in cells:
+        kind = cell["cell_type"]
+        src = _source(cell).lstrip()
+        first_code = kind == "code" and not seen_code
+        seen_code = seen_code or kind == "code"
+        if kind == "markdown" and re.match(r"#{1,2} ", src):
+            t, used = "slide", cell_height(cell)
+        elif kind == "markdown" and re.match(r"#{3,6} ", src):
+            t, used = "subslide", cell_height(cell)
+        elif kind == "raw" or _skipped(cell, first_code):
+            t = "skip"
+        elif kind == "markdown" and src.startswith("**Under other configurations.**"):
+            t = "notes"
+        else:
+            h = cell_height(cell)
+            if used and used + h > MAX_SLIDE_LINES:
+                t, used = "subslide", h
+            else:
+                t, used = "-", used + h
+        types.append(t)
+    return types
+
+
+def notebook_paths(names: Iterable[str] = SLIDE_NOTEBOOKS) -> List[Path]:
+    """The ``.ipynb`` files of ``names`` (notebook stems) in ``notebooks/``; FileNotFoundError names a missing one."""
+    paths = []
+    for name in names:
+        p = NOTEBOOKS_DIR / f"{name}.ipynb"
+        if not p.is_file():
+            raise FileNotFoundError(f"slide notebook {name!r} not found at {p}")
+        paths.append(p)
+    return paths
+
+
+def stored_slide_types(cells: Sequence[dict]) -> List[Optional[str]]:
+    """The ``slideshow.slide_type`` stored in each cell's metadata (``None`` where there is none)."""
+    return [c.get("metadata", {}).get("slideshow", {}).get("slide_type") for c in cells]
+
+
+def apply(path: Path) -> bool:
+    """Write the rule's slide types into the notebook at ``path``; touches nothing else. Returns whether the file
+    changed."""
+    import nbformat
+
+    text = path.read_text(encoding="utf-8")
+    nb = nbformat.reads(text, as_version=4)
+    for cell, t in zip(nb.cells, slide_types(nb.cells)):
+        cell.metadata["slideshow"] = {"slide_type": t}
+    new = nbformat.writes(nb) + "\n"
+    if new != text:
+        path.write_text(new, encoding="utf-8")
+    return new != text
+
+
+# ---- export ---------------------------------------------------------------------------------------------------
+_REMOTE = re.compile(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
+_REMOTE_IMPORT = re.compile(r"""\bimport\b[^;'"]*["'](?:https?:)?//""")
+
+
+def check_offline(html_text: str) -> List[str]:
+    """The remote (``http(s)://`` or protocol-relative) script and style-sheet references in ``html_text``:
+    ``<script src>``, ``<link href>`` and ES-module ``import`` URLs. Empty for an offline page."""
+    found = [m.group(0) for m in _REMOTE.finditer(html_text)]
+    found += [m.group(0) for m in _REMOTE_IMPORT.finditer(html_text)]
+    return found
+
+
+def copy_assets(node_modules: Path, lib: Path) -> None:
+    """Copy reveal.js, RequireJS and the widget manager from ``node_modules`` into ``lib``.
+
+    Raises:
+        FileNotFoundError: when a package is missing (run ``npm ci`` in the repository root first).
+    """
+    for src, dst in ASSETS:
+        s, d = node_modules / src, lib / dst
+        if not s.exists():
+            raise FileNotFoundError(f"{s} not found: run `npm ci` in {ROOT} (./course.sh slides does)")
+        if d.exists():
+            shutil.rmtree(d) if d.is_dir() else d.unlink()
+        d.parent.mkdir(parents=True, exist_ok=True)
+        if s.is_dir():
+            shutil.copytree(s, d, ignore=shutil.ignore_patterns("*.map", "embed.js"))  # embed.js: the non-AMD build, unused
+        else:
+            shutil.copy2(s, d)
+    # The widget controls module inside the bundle resolves its Font Awesome files (the Play button's icons)
+    # against its own AMD module path, @jupyter-widgets/, one folder above dist/: they go there too.
+    dist = lib.parent / "@jupyter-widgets" / "html-manager" / "dist"
+    for font in dist.iterdir():
+        if font.suffix in (".woff2", ".woff", ".ttf", ".eot", ".svg"):
+            shutil.copy2(font, dist.parent.parent / font.name)
+
+
+def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
+           node_modules: Path = ROOT / "node_modules") -> Dict[str, Path]:
+    """Export the notebooks ``names`` as reveal.js slides into ``out`` (``<name>.slides.html`` each, an
+    ``index.html`` linking them, the assets in ``out/lib`` and ``out/@jupyter-widgets``, the course figures the
+    notebooks show in ``out/images``), from their stored outputs: nothing is executed. The folder is
+    self-contained: copy it to the lecture machine and open ``index.html``.
+
+    Returns:
+        ``notebook stem -> HTML file``.
+
+    Raises:
+        FileNotFoundError: a notebook or an npm package is missing.
+        RuntimeError: an exported page references a remote script or style sheet.
+    """
+    import nbformat
+    from nbconvert import SlidesExporter
+    from traitlets.config import Config
+
+    paths = notebook_paths(names)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    copy_assets(Path(node_modules), out / "lib")
+    shutil.copytree(ROOT / "images", out / "images", dirs_exist_ok=True)
+    c = Config()
+    c.SlidesExporter.extra_template_basedirs = [str(TEMPLATE_DIR)]
+    c.SlidesExporter.template_name = TEMPLATE_NAME
+    c.SlidesExporter.reveal_url_prefix = "lib/reveal.js"
+    c.SlidesExporter.require_js_url = "lib/require.js"
+    c.SlidesExporter.widget_renderer_url = "@jupyter-widgets/html-manager/dist/embed-amd.js"
+    c.SlidesExporter.reveal_scroll = True
+    c.SlidesExporter.reveal_theme = "white"  # its fonts are local; "simple" (the default) loads Google Fonts
+    c.SlidesExporter.reveal_width = "1280"
+    c.SlidesExporter.reveal_height = "800"
+    exporter = SlidesExporter(config=c)
+    written: Dict[str, Path] = {}
+    for p in paths:
+        nb = nbformat.read(p, as_version=4)
+        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
+        # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
+        body = body.replace('src="../images/', 'src="images/')
+        remote = check_offline(body)
+        if remote:
+            raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
+        f = out / f"{p.stem}.slides.html"
+        f.write_text(body, encoding="utf-8")
+        written[p.stem] = f
+    links = "\n".join(f'<li><a href="{f.name}">{html.escape(stem)}</a></li>' for stem, f in written.items())
+    (out / "index.html").write_text(
+        f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>minivllm slides</title></head>\n"
+        f"<body><h1>minivllm: lecture slides</h1>\n<ul>\n{links}\n</ul>\n"
+        f"<p>Arrow keys move between slides, <kbd>s</kbd> opens the speaker notes, <kbd>Esc</kbd> the overview."
+        f"</p></body></html>\n", encoding="utf-8")
+    return written
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """``apply`` writes the slide metadata, ``check`` reports notebooks whose metadata differs from the rule
+    (exit 1), ``export [--out DIR]`` writes the slides."""
+    p = argparse.ArgumentParser(prog="python -m minivllm.course.slides", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("apply", help="write the rule's slide types into the slide notebooks")
+    sub.add_parser("check", help="exit 1 if a slide notebook's metadata differs from the rule")
+    e = sub.add_parser("export", help="export the slide notebooks as offline reveal.js slides")
+    e.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: build/slides)")
+    a = p.parse_args(argv)
+    if a.cmd == "apply":
+        for path in notebook_paths():
+            print(f"[slides] {path.name}: {'updated' if apply(path) else 'unchanged'}")
+        return 0
+    if a.cmd == "check":
+        import json
+
+        bad = []
+        for path in notebook_paths():
+            cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+            if stored_slide_types(cells) != slide_types(cells):
+                bad.append(path.name)
+        for name in bad:
+            print(f"[slides] {name}: slide metadata differs from the rule; run python -m minivllm.course.slides apply")
+        return 1 if bad else 0
+    written = export(Path(a.out))
+    for stem, f in written.items():
+        print(f"[slides] {f}")
+    print(f"[slides] open {Path(a.out) / 'index.html'} in a browser (no network needed)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
