@@ -10,7 +10,9 @@ Two machines, one rank each (A's address reachable from B; gloo on CPUs, NCCL wi
 
     # on A                                        # on B: the same with --node-rank=1
     torchrun --nnodes=2 --nproc-per-node=1 --node-rank=0 --master-addr=A --master-port=29500 \\
-        -m minivllm.entrypoints.torchrun_generate --tensor-parallel-size 2
+        -m minivllm.entrypoints.torchrun_generate --model tiny-tp --tensor-parallel-size 2
+
+SmolLM2-135M (the default ``--model``) has 9 query and 3 KV heads: it runs on 3 ranks, not 2.
 
 (gloo picks the network interface from the host name; set ``GLOO_SOCKET_IFNAME`` if it picks the wrong one.)
 """

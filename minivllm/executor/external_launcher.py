@@ -9,7 +9,10 @@ Two machines, one rank each (``MASTER_ADDR`` = the first machine's address)::
 
     # machine A                                                   # machine B
     torchrun --nnodes=2 --node-rank=0 --nproc-per-node=1 \\       torchrun --nnodes=2 --node-rank=1 ... (same)
-        --master-addr=A --master-port=29500 -m minivllm.entrypoints.torchrun_generate --tensor-parallel-size 2
+        --master-addr=A --master-port=29500 -m minivllm.entrypoints.torchrun_generate --model tiny-tp \
+        --tensor-parallel-size 2
+
+(SmolLM2-135M, the default model, needs 3 ranks: ``--nnodes=3``, ``--tensor-parallel-size 3``.)
 """
 
 from __future__ import annotations
