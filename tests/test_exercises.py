@@ -134,11 +134,14 @@ def test_decoder_layer_checks_a_given_model_too(capsys):
     "check",
     [ex.check_rms_norm, ex.check_rope, ex.check_gqa_attention, ex.check_swiglu, ex.check_decoder_layer,
      ex.check_greedy_generate, ex.check_kv_cache, ex.check_cached_attention, ex.check_slot_mapping,
-     ex.check_write_kv, ex.check_gather_kv, ex.check_paged_attention],
+     ex.check_write_kv, ex.check_gather_kv, ex.check_paged_attention, ex.check_static_batching,
+     ex.check_predict_chunks, ex.check_schedule_step, ex.check_resume_cost, ex.check_resume_cost_cached,
+     ex.check_longest_cache_hit],
 )
 def test_stub_is_reported_not_raised(check, capsys):
     check(stub)
-    assert "not written yet" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "not written yet" in out and "✓" not in out
 
 
 def test_kv_cache_stub_methods_are_reported(capsys):
@@ -419,3 +422,238 @@ def test_compare_tensors_messages():
     nan = e.clone()
     nan[0, 0] = float("nan")
     assert "is nan" in compare_tensors(e, nan)
+
+
+# ---- notebooks 05-08: the scheduler and connector exercises, checked against the engine -----------------------
+# Solutions written from vLLM 0.32's Scheduler.schedule (FCFS) and the connector contract, not from the package.
+def schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting):
+    scheduled, preempted_any, i = {}, False, 0
+    while i < len(running) and token_budget > 0:
+        request = running[i]
+        n = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        while not allocate_slots(request, n):
+            victim = running[-1]
+            preempt(victim)
+            preempted_any = True
+            if victim is request:
+                break
+        if request not in running:  # it preempted itself: nobody behind it gets anything this step
+            break
+        scheduled[request.request_id] = n
+        token_budget -= n
+        i += 1
+    if not preempted_any:
+        schedule_waiting(token_budget)
+    return scheduled
+
+
+def schedule_step_without_gate(running, token_budget, allocate_slots, preempt, schedule_waiting):
+    scheduled = schedule_step(running, token_budget, allocate_slots, preempt, lambda budget: None)
+    schedule_waiting(token_budget - sum(scheduled.values()))
+    return scheduled
+
+
+def schedule_step_first_victim(running, token_budget, allocate_slots, preempt, schedule_waiting):
+    """Preempts the head of the running queue instead of its tail."""
+    scheduled, preempted_any, i = {}, False, 0
+    while i < len(running) and token_budget > 0:
+        request = running[i]
+        n = min(request.num_tokens - request.num_computed_tokens, token_budget)
+        while not allocate_slots(request, n):
+            victim = running[0]
+            preempt(victim)
+            preempted_any = True
+            if victim is request:
+                break
+        if request not in running:
+            break
+        scheduled[request.request_id] = n
+        token_budget -= n
+        i += 1
+    if not preempted_any:
+        schedule_waiting(token_budget)
+    return scheduled
+
+
+def schedule_step_no_budget_cap(running, token_budget, allocate_slots, preempt, schedule_waiting):
+    """Gives every running request all its remaining tokens (ignores the budget)."""
+    scheduled = {}
+    for request in list(running):
+        n = request.num_tokens - request.num_computed_tokens
+        if not allocate_slots(request, n):
+            return schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting)
+        scheduled[request.request_id] = n
+    schedule_waiting(max(token_budget - sum(scheduled.values()), 0))
+    return scheduled
+
+
+def test_schedule_step_accepts_the_reference_loop(capsys):
+    ex.check_schedule_step(schedule_step)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ schedule_step: all ") and int(out.split()[3]) > 100  # steps checked
+
+
+def test_schedule_step_stub_is_not_accepted(capsys):
+    def stub(running, token_budget, allocate_slots, preempt, schedule_waiting):
+        raise NotImplementedError
+
+    ex.check_schedule_step(stub)
+    out = capsys.readouterr().out
+    assert "schedule_step: not written yet" in out and "✓" not in out
+
+
+def test_schedule_step_without_the_gate_fails_at_the_first_preemption():
+    with pytest.raises(ExerciseFailed) as e:
+        ex.check_schedule_step(schedule_step_without_gate)
+    msg = str(e.value)
+    assert "workload '06 section 1'" in msg and "step 5:" in msg  # notebook 06's first preemption: (5, 'C')
+    assert "in a step that preempted ['C']" in msg and "no-admission gate" in msg
+
+
+def test_schedule_step_wrong_victim_names_the_expected_one():
+    with pytest.raises(ExerciseFailed) as e:
+        ex.check_schedule_step(schedule_step_first_victim)
+    msg = str(e.value)
+    assert "step 5:" in msg and "request 'C' should have been preempted" in msg and "running[-1]" in msg
+
+
+def test_schedule_step_without_budget_cap_names_request_and_counts():
+    with pytest.raises(ExerciseFailed) as e:
+        ex.check_schedule_step(schedule_step_no_budget_cap)
+    msg = str(e.value)
+    # budget 6: B decodes (1 token), so resumed C's 8 tokens are cut to 5
+    assert "workload 'chunks and preemption'" in msg and "request 'C': expected 5 tokens, got 8" in msg
+
+
+def test_resume_cost_checkers():
+    ex.check_resume_cost(lambda p, o: p + o)
+    with pytest.raises(ExerciseFailed, match="computed again with the prompt"):
+        ex.check_resume_cost(lambda p, o: p)
+
+    def cached_cost(p, o, block_size, cached):
+        hits = 0
+        while hits < len(cached) and cached[hits]:
+            hits += 1
+        return p + o - block_size * hits
+
+    ex.check_resume_cost_cached(cached_cost)
+    with pytest.raises(ExerciseFailed, match=r"resume_cost\(8, 9, 4, \[True, True, False, False\]\)(.|\n)*returned 17, "
+                       r"the engine computed 9 tokens(.|\n)*cached blocks are not computed again"):
+        ex.check_resume_cost_cached(lambda p, o, bs, cached: p + o)
+
+
+def test_resume_cost_cases_include_hits_and_misses():
+    from minivllm.course.exercises.resume import resume_cases
+
+    cases = resume_cases()
+    costs = [(c[3]["num_prompt_tokens"] + c[3]["num_output_tokens"], c[4]) for c in cases]
+    assert any(n == cost for n, cost in costs) and any(cost < n for n, cost in costs)
+
+
+def test_chunk_prediction(capsys):
+    ex.check_chunk_prediction(None)
+    out = capsys.readouterr().out
+    assert "chunk_prediction: not done yet (predicted is still None)" in out and "✓" not in out
+    # B decodes; C, resumed after 5 prompt + 3 generated tokens, is chunked 5 + 3; D's first chunk is what is left
+    ex.check_chunk_prediction([{"B": 1, "C": 5}, {"B": 1, "C": 3, "D": 2}, {"B": 1, "C": 1, "D": 4}])
+    assert capsys.readouterr().out.startswith("✓ chunk_prediction: all 3 tests passed")
+    with pytest.raises(ExerciseFailed, match=r"step 11, request 'C':\n    predicted 8 tokens, the engine scheduled 5"):
+        ex.check_chunk_prediction([{"B": 1, "C": 8}, {"B": 1, "D": 5}, {"B": 1, "C": 1, "D": 4}])
+
+
+def test_predict_chunks():
+    def predict(prompt_len, budget, num_decoding):
+        per_step, chunks = budget - num_decoding, []
+        while per_step > 0 and prompt_len > 0:
+            chunks.append(min(per_step, prompt_len))
+            prompt_len -= chunks[-1]
+        return chunks
+
+    ex.check_predict_chunks(predict)
+    with pytest.raises(ExerciseFailed, match=r"predict_chunks\(160, 64, 2\)(.|\n)*returned \[64, 64, 32\]"):
+        ex.check_predict_chunks(lambda p, b, d: [min(b, p - i) for i in range(0, p, b)])
+
+
+def test_longest_cache_hit():
+    def hit(block_hashes, cached, num_tokens, block_size):
+        n = 0
+        for h in block_hashes[: (num_tokens - 1) // block_size]:
+            if h not in cached:
+                break
+            n += 1
+        return n * block_size
+
+    ex.check_longest_cache_hit(hit)
+    no_cap = "block_size=1, num_tokens=1:\n    returned 1, expected 0(.|\n)*the last token must be computed"
+    with pytest.raises(ExerciseFailed, match=no_cap):
+        ex.check_longest_cache_hit(lambda hs, c, n, bs: bs * next((i for i, h in enumerate(hs) if h not in c), len(hs)))
+
+
+def test_fixed_connector(capsys):
+    from minivllm.course.buggy_connector import BuggyOffloadConnector
+    from minivllm.distributed.kv_transfer import OffloadConnector
+
+    class Fixed(BuggyOffloadConnector):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.answers = {}
+
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            n, is_async = OffloadConnector.get_num_new_matched_tokens(self, request, num_computed_tokens)
+            self.answers[request.request_id] = (num_computed_tokens // self.block_size, n // self.block_size)
+            return n, is_async
+
+        def update_state_after_alloc(self, request, blocks, num_external_tokens):
+            super().update_state_after_alloc(request, blocks, num_external_tokens)
+            if num_external_tokens > 0:
+                first, num_blocks = self.answers[request.request_id]
+                self.requests_need_load[request.request_id] = (request, first, num_blocks)
+
+        def build_connector_meta(self, scheduler_output):
+            meta = super().build_connector_meta(scheduler_output)
+            self.requests_need_load.clear()
+            self.answers.clear()
+            return meta
+
+    class OnlyClears(BuggyOffloadConnector):  # bug 2 fixed, bug 1 left
+        def build_connector_meta(self, scheduler_output):
+            meta = super().build_connector_meta(scheduler_output)
+            self.requests_need_load.clear()
+            return meta
+
+    class Stub(BuggyOffloadConnector):
+        def get_num_new_matched_tokens(self, request, num_computed_tokens):
+            raise NotImplementedError
+
+    ex.check_fixed_connector(Fixed)
+    assert capsys.readouterr().out.startswith("✓ FixedConnector: all 3 tests passed")
+    ex.check_fixed_connector(Stub)
+    out = capsys.readouterr().out
+    assert "FixedConnector: not written yet" in out and "✓" not in out
+    with pytest.raises(ExerciseFailed) as e:  # the original bug: the same load in every step
+        ex.check_fixed_connector(BuggyOffloadConnector)
+    assert "test input 1 " in str(e.value) and "step 1: the metadata loads {'B': 2}, expected {}" in str(e.value)
+    with pytest.raises(ExerciseFailed) as e:  # a load for a request that holds no block yet
+        ex.check_fixed_connector(OnlyClears)
+    assert "test input 2 " in str(e.value) and "step 0: the metadata loads {'B': 0}, expected {}" in str(e.value)
+    assert "update_state_after_alloc" in str(e.value)
+
+
+def test_static_batching(capsys):
+    def static(engine, prompts, params, batch_size):
+        for start in range(0, len(prompts), batch_size):
+            for prompt, sp in zip(prompts[start:start + batch_size], params[start:start + batch_size]):
+                engine.add_request(None, prompt, sp)
+            while engine.has_unfinished_requests():
+                engine.step()
+
+    def continuous(engine, prompts, params, batch_size):  # everything at once: the engine batches continuously
+        for prompt, sp in zip(prompts, params):
+            engine.add_request(None, prompt, sp)
+        while engine.has_unfinished_requests():
+            engine.step()
+
+    ex.check_static_batching(static)
+    assert capsys.readouterr().out.startswith("✓ static_batching: all 2 tests passed")
+    with pytest.raises(ExerciseFailed, match="add the next batch only after \\*every\\* request"):
+        ex.check_static_batching(continuous)

@@ -497,5 +497,9 @@ def test_notebooks_name_the_pinned_vllm_release():
     # The course pins vLLM 0.32.0: no notebook cites another release as the one it describes.
     from pathlib import Path
 
+    import json
+
     for f in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
-        assert "0.33" not in f.read_text(), f.name
+        # sources and outputs only: the execution timestamps in cell metadata ("14:57:10.339408Z") may contain it
+        cells = json.loads(f.read_text())["cells"]
+        assert "0.33" not in json.dumps([(c["source"], c.get("outputs")) for c in cells]), f.name

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+# notebooks/ and its subfolders (solutions/), as nbval collects them; never Jupyter's checkpoint copies
+NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parent.parent / "notebooks").rglob("*.ipynb")
+                   if ".ipynb_checkpoints" not in p.parts)
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)

@@ -12,11 +12,20 @@ Notebook 02 (a contiguous KV cache): ``check_kv_cache``, ``check_cached_attentio
 Notebook 03 (paged KV blocks): ``check_slot_mapping``, ``check_write_kv``, ``check_gather_kv``,
     ``check_paged_attention``; ``one_request_metadata`` builds the attention metadata of a one-request batch.
 Notebook 04 (static versus continuous batching): ``check_static_batching``.
+Notebook 05 (chunked prefill): ``check_predict_chunks``; ``check_chunk_prediction`` (a budget shared by a decode,
+    a resumed request and a new one; ``show_shared_budget`` prints the state it starts from).
+Notebook 06 (preemption): ``check_schedule_step`` (the running loop with preemption and the no-admission gate,
+    compared with the engine's decisions step by step), ``check_resume_cost``.
+Notebook 07 (prefix caching): ``check_longest_cache_hit``, ``check_resume_cost_cached``.
+Notebook 08 (KV connectors): ``check_fixed_connector`` (the buggy connector's three failing scenarios).
+The worked solutions of 04-08 are in ``notebooks/solutions/part2_scheduler_solutions.ipynb``.
 """
 
 from minivllm.course.exercises._harness import ExerciseFailed
 from minivllm.course.exercises._reference import one_request_metadata, split_layer_weights
 from minivllm.course.exercises.batching import check_static_batching
+from minivllm.course.exercises.chunks import check_chunk_prediction, check_predict_chunks, show_shared_budget
+from minivllm.course.exercises.connector import check_fixed_connector
 from minivllm.course.exercises.generation import check_greedy_generate
 from minivllm.course.exercises.kv_cache import check_cached_attention, check_kv_cache
 from minivllm.course.exercises.layers import (
@@ -27,22 +36,33 @@ from minivllm.course.exercises.layers import (
     check_swiglu,
 )
 from minivllm.course.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
+from minivllm.course.exercises.prefix_cache import check_longest_cache_hit
+from minivllm.course.exercises.resume import check_resume_cost, check_resume_cost_cached
+from minivllm.course.exercises.scheduling import check_schedule_step
 
 __all__ = [
     "ExerciseFailed",
     "check_cached_attention",
+    "check_chunk_prediction",
     "check_decoder_layer",
+    "check_fixed_connector",
     "check_gather_kv",
     "check_gqa_attention",
     "check_greedy_generate",
     "check_kv_cache",
+    "check_longest_cache_hit",
     "check_paged_attention",
+    "check_predict_chunks",
+    "check_resume_cost",
+    "check_resume_cost_cached",
     "check_rms_norm",
     "check_rope",
+    "check_schedule_step",
     "check_slot_mapping",
     "check_static_batching",
     "check_swiglu",
     "check_write_kv",
     "one_request_metadata",
+    "show_shared_budget",
     "split_layer_weights",
 ]

@@ -22,7 +22,8 @@ class ExerciseFailed(AssertionError):
 
 
 class _NotWrittenYet(Exception):
-    """The learner's function raised ``NotImplementedError``: the stub has not been filled in."""
+    """The learner's function raised ``NotImplementedError`` (or a value is still ``None``): the stub has not been
+    filled in. The message, if any, says what is still missing."""
 
 
 @dataclass
@@ -50,11 +51,14 @@ def checker(exercise: str):
             __tracebackhide__ = True  # IPython and pytest hide this frame: the learner sees only the message
             try:
                 n = check(*args, **kwargs)
-            except _NotWrittenYet:
-                print(
-                    f"{exercise}: not written yet (it raises NotImplementedError). "
-                    "Fill in its body, run that cell, then run this cell again."
-                )
+            except _NotWrittenYet as e:
+                if str(e):  # a value still at its placeholder
+                    print(f"{exercise}: not done yet ({e}). Fill it in, run that cell, then run this cell again.")
+                else:
+                    print(
+                        f"{exercise}: not written yet (it raises NotImplementedError). "
+                        "Fill in its body, run that cell, then run this cell again."
+                    )
                 return None
             print(f"✓ {exercise}: all {n} tests passed")
             return None
@@ -179,3 +183,10 @@ def check_cases(
             hint = matching_hint(got, args, variants, cmp) if isinstance(got, torch.Tensor) else None
             fail(exercise, desc, problem, hint or general_hint)
     return len(cases)
+
+
+def not_written(value: Any, name: str) -> None:
+    """Raise the harness's "not written yet" signal if ``value`` (called ``name``) is still a notebook's
+    placeholder (``None`` or ``...``)."""
+    if value is None or value is Ellipsis:
+        raise _NotWrittenYet(f"{name} is still {value!r}")
