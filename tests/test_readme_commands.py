@@ -111,9 +111,12 @@ def _check_serve(args, comment):
 
 
 def _check_bench(args, comment):
-    assert args == ["bench", "--help"], args  # the README only shows --help: a real run takes minutes
+    # The README only shows --help: a real run takes minutes (bench serve: and starts servers).
+    assert args in (["bench", "--help"], ["bench", "serve", "--help"]), args
     out = _run(["-m", "minivllm", *args])
     assert "usage:" in out and "--vllm-python" in out and "--json" in out
+    if args[1] == "serve":
+        assert "--base-url" in out and "--request-rate" in out and "--goodput" in out
 
 
 def _check_figures(args, comment):

@@ -28,7 +28,9 @@ CASES = ("throughput", "latency", "prefix")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m minivllm bench", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minivllm bench", description=__doc__.split("\n")[0],
+                                epilog="python -m minivllm bench serve --help: the open-loop serving benchmark "
+                                       "against OpenAI-compatible servers (minivllm's, vllm serve).")
     p.add_argument("--model", default=None, help="'tiny', a .gguf file or a Hugging Face folder (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
@@ -202,11 +204,17 @@ def run_benchmark(a) -> Dict:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Entry point. Returns 0 on success, 2 for bad arguments."""
+    """Entry point. Returns 0 on success, 2 for bad arguments. ``bench serve ...`` is the serving benchmark
+    (``minivllm.bench.serve.cli``)."""
     from minivllm.bench.report import format_table, write_json
 
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from minivllm.bench.serve.cli import main as serve_main
+
+        return serve_main(argv[1:])
     parser = build_parser()
-    a = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    a = parser.parse_args(argv)
     try:
         _check(a)
     except ValueError as e:
