@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
 
@@ -111,6 +111,63 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
 
+@dataclass
+class ParallelConfig:
+    """How the model is split over processes (vLLM: ``vllm/config/parallel.py``; minivllm has tensor parallelism
+    only).
+
+    Args:
+        tensor_parallel_size: ranks that each hold a share of every layer (Megatron-LM's split, vLLM's layers in
+            ``minivllm/model/layers/linear.py``). 1: one process, the engine's own.
+        distributed_executor_backend: ``"mp"`` (the engine spawns one worker process per rank:
+            ``MultiprocExecutor``), ``"external_launcher"`` (every rank is a process that ``torchrun`` started and
+            runs the whole engine in step with the others, vLLM's ``ExecutorWithExternalLauncher``), or ``None``:
+            ``"mp"`` when ``tensor_parallel_size > 1``, else no executor at all (the in-process model runner).
+
+    Raises:
+        ValueError: for a size below 1 or an unknown backend.
+    """
+
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
+
+    def verify(self) -> None:
+        n = self.tensor_parallel_size
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {n!r}")
+        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
+            raise ValueError("distributed_executor_backend must be None, 'mp' or 'external_launcher', got "
+                             f"{self.distributed_executor_backend!r}")
+
+    def verify_with_model_config(self, hf_config: Any) -> None:
+        """vLLM's head rule (``ModelConfig.verify_with_parallel_config`` and ``QKVParallelLinear``), checked before
+        any process starts: query heads must divide by N; KV heads are split when they divide by N and replicated
+        when N is a multiple of their count; the MLP's ``intermediate_size`` must divide by N.
+
+        Raises:
+            ValueError: naming ``tensor_parallel_size`` and the model's numbers.
+        """
+        n = self.tensor_parallel_size
+        q, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        if q % n:
+            raise ValueError(
+                f"tensor_parallel_size ({n}) must divide the model's {q} query heads (num_attention_heads); "
+                f"with {kv} KV heads (num_key_value_heads), sizes that work: "
+                f"{[m for m in range(1, q + 1) if q % m == 0 and (kv % m == 0 or m % kv == 0)]}")
+        if kv % n and n % kv:
+            raise ValueError(
+                f"tensor_parallel_size ({n}) must divide the model's {kv} KV heads (num_key_value_heads) or be a "
+                f"multiple of them (each KV head then replicated on tensor_parallel_size / {kv} ranks)")
+        if hf_config.intermediate_size % n:
+            raise ValueError(f"tensor_parallel_size ({n}) must divide the model's intermediate_size "
+                             f"({hf_config.intermediate_size})")
+
+    def kv_heads_per_rank(self, hf_config: Any) -> int:
+        """KV heads each rank's cache holds (vLLM's ``QKVParallelLinear.num_kv_heads``)."""
+        kv = hf_config.num_key_value_heads
+        return max(kv // self.tensor_parallel_size, 1)
+
+
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")
 
 
@@ -174,6 +231,9 @@ class VllmConfig:
         kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``).
         attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
             and dtype) and whether CUDA graphs are off, as in vLLM.
+        parallel_config: tensor parallelism. With ``tensor_parallel_size > 1`` and the ``"mp"`` backend, ``model``
+            is ``None``: each worker process loads its own share from ``model_config`` and ``load_config`` (as
+            every vLLM worker does); the engine process holds only the tokenizer and the config.
     """
 
     hf_config: Any
@@ -187,3 +247,6 @@ class VllmConfig:
     kv_connector: Any = None
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
+    model_config: Optional[ModelConfig] = None
+    load_config: Optional[LoadConfig] = None

@@ -657,3 +657,63 @@ def test_static_batching(capsys):
     assert capsys.readouterr().out.startswith("✓ static_batching: all 2 tests passed")
     with pytest.raises(ExerciseFailed, match="add the next batch only after \\*every\\* request"):
         ex.check_static_batching(continuous)
+
+
+# ---- notebooks 01-03: the cells after an exercise use the learner's function or the package's ------------------
+FALLBACKS = [
+    (ex.check_rms_norm, ex.fallback.rms_norm), (ex.check_rope, ex.fallback.rope),
+    (ex.check_gqa_attention, ex.fallback.gqa_attention), (ex.check_swiglu, ex.fallback.swiglu),
+    (ex.check_decoder_layer, ex.fallback.decoder_layer), (ex.check_greedy_generate, ex.fallback.greedy_generate),
+    (ex.check_kv_cache, ex.fallback.KVCache), (ex.check_cached_attention, ex.fallback.cached_attention),
+    (ex.check_slot_mapping, ex.fallback.slot_mapping), (ex.check_write_kv, ex.fallback.write_kv),
+    (ex.check_gather_kv, ex.fallback.gather_kv), (ex.check_paged_attention, ex.fallback.paged_attention),
+]
+
+
+@pytest.mark.parametrize("check, reference", FALLBACKS, ids=lambda x: getattr(x, "__name__", ""))
+def test_fallback_passes_its_checker(check, reference, capsys):
+    """What notebooks 01-03 run while an exercise is unfilled must be a correct solution of it."""
+    check(reference)
+    out = capsys.readouterr().out
+    assert out.startswith("✓ ") and "tests passed" in out
+
+
+def test_fallback_kv_cache_refuses_overflow_before_writing():
+    cache = ex.fallback.KVCache(1, 4, 1, 2)
+    cache.append(0, torch.ones(3, 1, 2), torch.ones(3, 1, 2))
+    with pytest.raises(ValueError, match="max_model_len is 4"):
+        cache.append(0, torch.full((2, 1, 2), 7.0), torch.full((2, 1, 2), 7.0))
+    assert cache.lengths == [3] and not bool((cache.kv == 7).any())
+
+
+def test_use_yours_or_reference(capsys):
+    use, ref = ex.use_yours_or_reference, ex.fallback.rms_norm
+    assert use(stub, ref, ex.check_rms_norm) is ref
+    assert capsys.readouterr().out == ("rms_norm: not written yet, so the cells below use the package's reference "
+                                       "(minivllm.course.exercises.fallback.rms_norm)\n")
+    assert use(rms_norm, ref, ex.check_rms_norm) is rms_norm  # the learner's, correct: theirs is used
+    assert capsys.readouterr().out == "rms_norm: yours passes its checker, so the cells below use yours\n"
+
+    def wrong(x, w, eps):
+        return x * w
+
+    assert use(wrong, ref, ex.check_rms_norm) is ref
+    out = capsys.readouterr().out
+    assert "yours does not pass its checker yet" in out and "✓" not in out
+    assert use(ref, ref, ex.check_rms_norm) is ref  # the name already holds the reference: never "yours passes"
+    assert "run your exercise cell again" in capsys.readouterr().out
+
+
+def test_use_yours_or_reference_passes_checker_arguments(capsys):
+    """``model=`` reaches the checker: with a model it runs 4 tests (2 more, on that model's layer), without it 2."""
+    calls = []
+
+    def spy(x, positions, w, cfg):
+        calls.append(cfg.hidden_size)
+        return layer(x, positions, w, cfg)
+
+    assert ex.use_yours_or_reference(spy, ex.fallback.decoder_layer, ex.check_decoder_layer) is spy
+    without = len(calls)
+    big = build_tiny_model(seed=3)
+    assert ex.use_yours_or_reference(spy, ex.fallback.decoder_layer, ex.check_decoder_layer, model=big) is spy
+    assert len(calls) - without > without

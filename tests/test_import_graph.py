@@ -37,6 +37,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("core", ["minivllm.core", "minivllm.distributed"]),
     ("model", ["minivllm.model", "minivllm.attention", "minivllm.custom_ops"]),
     ("worker", ["minivllm.worker"]),
+    # Tensor parallelism's executors start and drive the workers (vLLM's vllm/v1/executor above vllm/v1/worker).
+    ("executor", ["minivllm.executor"]),
     ("engine", ["minivllm.engine", "=minivllm"]),
     # The OpenAI-compatible server on AsyncLLM (vLLM's vllm/entrypoints/openai above vllm/v1/engine).
     ("entrypoints", ["minivllm.entrypoints"]),

@@ -5,6 +5,7 @@ outputs"); a cell added or split by hand gets exactly that, and CI found it only
 """
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,3 +29,40 @@ def test_execution_counts_run_in_order(path):
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     counts = [c["execution_count"] for c in cells if c["cell_type"] == "code" and c.get("execution_count")]
     assert counts == sorted(set(counts)), f"{path.name}: execution counts out of order: {counts}"
+
+
+def _src(cell):
+    return "".join(cell["source"]) if isinstance(cell["source"], list) else cell["source"]
+
+
+def _stdout(cell):
+    return "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
+
+
+COURSE = [p for p in NOTEBOOKS if "solutions" not in p.parts]
+SOLUTIONS = [p for p in NOTEBOOKS if "solutions" in p.parts]
+
+
+@pytest.mark.parametrize("path", COURSE, ids=lambda p: p.name)
+def test_exercises_are_stubs_and_solutions_are_elsewhere(path):
+    """The course notebooks keep the learner's stubs, run unfilled (the checker says "not written yet" or "not
+    done yet", never ✓); every exercise's worked solution is in a solutions notebook, and passed there."""
+    from minivllm.course.study_time import exercise_names, is_exercise
+
+    cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
+    assert not [i for i, c in enumerate(cells) if c["cell_type"] == "code" and _src(c).lstrip().startswith(
+        "# Solution")], f"{path.name}: a '# Solution' cell; move it to notebooks/solutions/"
+    for i, c in enumerate(cells):
+        if c["cell_type"] == "code":
+            assert "✓" not in _stdout(c), f"{path.name}: cell {i} prints ✓: a solution ran in the notebook"
+        if is_exercise(c):
+            out = _stdout(c)
+            assert "not written yet" in out or "not done yet" in out, f"{path.name}: exercise cell {i} says {out!r}"
+    solved = {}
+    for p in SOLUTIONS:
+        for c in json.loads(p.read_text(encoding="utf-8"))["cells"]:
+            for name in re.findall(r"^(?:def|class) (\w+)", _src(c), flags=re.M):
+                solved[name] = _stdout(c)
+    for name in exercise_names(cells):
+        assert name in solved, f"{path.name}: no worked solution of {name} in notebooks/solutions/"
+        assert solved[name].startswith("✓ "), f"{path.name}: the solution of {name} does not pass: {solved[name]!r}"

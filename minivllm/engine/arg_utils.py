@@ -13,7 +13,7 @@ from typing import Any, Optional, Union
 import torch
 
 from minivllm import envs
-from minivllm.config import CacheConfig, SchedulerConfig, VllmConfig
+from minivllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
 from minivllm.utils.math_utils import cdiv
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -83,6 +83,12 @@ class EngineArgs:
         scheduler_reserve_full_isl: admit a waiting request only when its whole prompt fits (default True, as
             vLLM 0.32); False admits it when its first chunk fits. ``SchedulerConfig`` describes all three and
             which combination is vLLM's default on a GPU and on the CPU.
+        tensor_parallel_size: ranks that share every layer (``ParallelConfig``). 1 (default): this process runs
+            the model. N > 1: N worker processes (``MultiprocExecutor``; gloo on the CPU, NCCL on CUDA), each
+            loading its share; the model must then be given by name or path, not as a built module. vLLM's head
+            rule is checked first (``ParallelConfig.verify_with_model_config``), before any process starts.
+        distributed_executor_backend: ``None``/``"mp"`` (workers started by the engine) or
+            ``"external_launcher"`` (this process is one rank of a ``torchrun`` job).
     """
 
     model: Any = None
@@ -107,6 +113,8 @@ class EngineArgs:
     model_runner: Optional[str] = None
     async_scheduling: bool = False
     scheduler_reserve_full_isl: bool = True
+    tensor_parallel_size: int = 1
+    distributed_executor_backend: Optional[str] = None
 
     def _resolve_model_runner(self) -> str:
         """``"v1"`` or ``"v2"``: ``model_runner``, else ``VLLM_USE_V2_MODEL_RUNNER``, else V1 (vLLM would pick V2
@@ -135,15 +143,24 @@ class EngineArgs:
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes).verify()
+        parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
+        parallel_config.verify()
         device = resolve_device(self.device)
-        model, tokenizer = self._load_model(resolve_dtype(self.dtype), device)
-        hf_config = model.config
-        dtype = next(model.parameters()).dtype
+        model_config = load_config = None
+        if parallel_config.tensor_parallel_size == 1:
+            model, tokenizer = self._load_model(resolve_dtype(self.dtype), device)
+            hf_config = model.config
+            dtype = next(model.parameters()).dtype
+        else:
+            model_config, load_config, tokenizer = self._model_config_for_workers(parallel_config, device)
+            model, hf_config, dtype = None, model_config.hf_config, resolve_dtype(self.dtype)
         block_size = self.block_size
 
         num_gpu_blocks = self.num_gpu_blocks
         if num_gpu_blocks is None:
-            kv_per_block = hf_config.kv_bytes_per_token(dtype) * block_size
+            # Each rank's cache holds its own KV heads: the budget is per rank, as vLLM's is per device.
+            kv_per_block = (hf_config.kv_bytes_per_token(dtype) * block_size
+                            * parallel_config.kv_heads_per_rank(hf_config) // hf_config.num_key_value_heads)
             budget = self.kv_cache_memory_bytes or _DEFAULT_KV_BYTES
             num_gpu_blocks = min(max(budget // kv_per_block, 1), _MAX_DEFAULT_BLOCKS)
         capacity = num_gpu_blocks * block_size
@@ -184,7 +201,35 @@ class EngineArgs:
             hf_config=hf_config, cache_config=cache_config, scheduler_config=scheduler_config, model=model,
             tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, kv_connector=self.kv_connector,
             attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
+            parallel_config=parallel_config, model_config=model_config, load_config=load_config,
         )
+
+    def _model_config_for_workers(self, parallel_config: ParallelConfig, device: torch.device):
+        """``(model_config, load_config, tokenizer)`` for ``tensor_parallel_size > 1``: the architecture is read
+        and the head rule checked here, before any process starts; the weights are loaded by the workers.
+
+        Raises:
+            ValueError: for a model handed in as a module, a KV connector, or heads that cannot be split.
+        """
+        from minivllm.model.llama import LlamaForCausalLM
+        from minivllm.model.loader import create_model_and_load_config
+        from minivllm.model.tokenizer import load_tokenizer
+
+        n = parallel_config.tensor_parallel_size
+        if isinstance(self.model, LlamaForCausalLM):
+            raise ValueError(f"tensor_parallel_size ({n}) > 1 needs model as a name or path (each worker loads "
+                             "its own share of the weights), not a built LlamaForCausalLM")
+        if self.kv_connector is not None:
+            raise ValueError(f"kv_connector is not supported with tensor_parallel_size ({n}) > 1 in minivllm")
+        model_config, load_config = create_model_and_load_config(self.model, self.load_format)
+        parallel_config.verify_with_model_config(model_config.hf_config)
+        if device.type == "cuda" and torch.cuda.device_count() < n:
+            raise ValueError(f"tensor_parallel_size ({n}) needs {n} CUDA devices, this machine has "
+                             f"{torch.cuda.device_count()}")
+        tokenizer = self.tokenizer
+        if tokenizer is None and model_config.tokenizer is not None:
+            tokenizer = load_tokenizer(model_config.tokenizer)
+        return model_config, load_config, tokenizer
 
     def _load_model(self, dtype: torch.dtype, device: torch.device):
         """``(model, tokenizer)`` on ``device``. vLLM loads the weights in the worker."""

@@ -9,7 +9,9 @@ Where minivllm differs from vLLM:
   process, or over ZMQ to a busy-looping ``EngineCoreProc``); minivllm calls ``EngineCore`` directly, because the
   course steps it by hand and inspects its scheduler and KV cache between steps.
 * ``model_executor`` is the ``ModelRunner`` itself: vLLM's executor -> worker -> model runner chain collapses to
-  its last link on one device.
+  its last link on one device. With ``tensor_parallel_size > 1`` it is an executor (``minivllm/executor/``):
+  ``MultiprocExecutor`` (worker processes that the engine starts) or ``ExecutorWithExternalLauncher`` (under
+  ``torchrun``); the scheduler still runs here, once.
 * Async scheduling (``SchedulerConfig.async_scheduling``) runs vLLM's ``step_with_batch_queue`` with a queue of
   two: schedule step N+1 and run it, then process step N's output. The forward pass runs synchronously here, so
   the model runner already holds step N's sampled tokens when it builds step N+1's inputs (vLLM's runner copies
@@ -25,7 +27,7 @@ Where minivllm differs from vLLM:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Protocol, Tuple
 
 from minivllm.config import VllmConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -67,10 +69,20 @@ class EngineCore:
                                                cache.enable_prefix_caching)
         scheduler_cls = AsyncScheduler if sched.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
-        runner_cls = ModelRunnerV2 if sched.use_v2_model_runner else ModelRunner
-        self.model_executor = runner_cls(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
-                                          vllm_config.seed, vllm_config.kv_connector, vllm_config.attention_backend,
-                                          vllm_config.enforce_eager)
+        parallel = vllm_config.parallel_config
+        # A ModelRunner (one device) or an executor: all three have execute_model(scheduler_output).
+        self.model_executor: Any
+        if parallel.tensor_parallel_size > 1 and parallel.distributed_executor_backend == "external_launcher":
+            from minivllm.executor.external_launcher import ExecutorWithExternalLauncher
+            self.model_executor = ExecutorWithExternalLauncher(vllm_config)
+        elif parallel.tensor_parallel_size > 1:
+            from minivllm.executor.multiproc_executor import MultiprocExecutor
+            self.model_executor = MultiprocExecutor(vllm_config)
+        else:
+            runner_cls = ModelRunnerV2 if sched.use_v2_model_runner else ModelRunner
+            self.model_executor = runner_cls(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
+                                              vllm_config.seed, vllm_config.kv_connector,
+                                              vllm_config.attention_backend, vllm_config.enforce_eager)
         self.step_observers: List[StepObserver] = []
         # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
         self.batch_queue_size = 2 if sched.async_scheduling else 1
@@ -78,6 +90,13 @@ class EngineCore:
 
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
+
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel workers, if any (vLLM ``EngineCore.shutdown``); idempotent. A single-device
+        engine has nothing to stop."""
+        shutdown = getattr(self.model_executor, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def abort_requests(self, request_ids: Iterable[str]) -> List[Request]:
         """Abort requests wherever they are; unknown or finished ids are ignored. Returns the ones aborted."""

@@ -174,6 +174,11 @@ class LLMEngine:
         """
         return self.engine_core.scheduler.reset_prefix_cache(reset_running_requests)
 
+    def shutdown(self) -> None:
+        """Stop the tensor-parallel worker processes, if any (``EngineCore.shutdown``); idempotent. They are also
+        stopped when the engine is garbage-collected or the process exits."""
+        self.engine_core.shutdown()
+
     @property
     def num_preemptions(self) -> int:
         """Preemptions since the engine started."""

@@ -73,6 +73,15 @@ def tiny_llama_config(**overrides) -> LlamaConfig:
     return LlamaConfig(**cfg)
 
 
+def tiny_tp_llama_config(**overrides) -> LlamaConfig:
+    """The built-in ``"tiny-tp"`` architecture, for tensor-parallel tests: ``"tiny"`` with 8 query / 4 KV heads of
+    size 8, so ``tensor_parallel_size`` 2 and 4 split the KV heads (``"tiny"``'s 2 KV heads are replicated at 4)
+    and 8 replicates them. ``"tiny"`` itself is left alone: notebooks print its numbers."""
+    cfg = dict(num_attention_heads=8, num_key_value_heads=4, name="tiny-tp-llama")
+    cfg.update(overrides)
+    return tiny_llama_config(**cfg)
+
+
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
@@ -95,7 +104,7 @@ def default_model_path() -> str:
 
 
 # Named architectures that need no file. A name here as ``model`` means "this config with dummy weights".
-BUILTIN_CONFIGS: Dict[str, Callable[[], LlamaConfig]] = {"tiny": tiny_llama_config}
+BUILTIN_CONFIGS: Dict[str, Callable[[], LlamaConfig]] = {"tiny": tiny_llama_config, "tiny-tp": tiny_tp_llama_config}
 
 
 def open_gguf(path: str):

@@ -55,13 +55,14 @@ class LlamaAttention(nn.Module):
 
     def __init__(self, config: LlamaConfig, backend: Type[AttentionBackend] = TorchSDPABackend) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads)
+        # This rank's heads (all of them on one device): QKVParallelLinear applies vLLM's head rule.
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads)
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size)
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size)
         self.scale = 1.0 / math.sqrt(self.head_dim)
         self.set_attention_backend(backend)
         self.rotary_emb = get_rope(self.head_dim, config.max_position_embeddings, config.rope_theta)
@@ -191,13 +192,21 @@ class LlamaForCausalLM(nn.Module):
         """Take ``weights`` (minivllm's fused names, e.g. ``model.layers.0.self_attn.qkv_proj.weight``) as the
         parameters, without copying (``load_state_dict(assign=True)``: the model may live on the meta device).
 
-        A tied head has no weight of its own: ``lm_head.weight`` is skipped, and the head re-tied afterwards.
+        ``weights`` are the whole checkpoint's tensors; under tensor parallelism each parallel layer keeps its
+        rank's slice (``shard_loaded_weight``: sharding at load time, as vLLM's ``weight_loader``). A tied head
+        has no weight of its own: ``lm_head.weight`` is skipped, and the head re-tied afterwards.
 
         Raises:
             ValueError: naming the missing or unexpected weights.
         """
         tied = self.config.tie_word_embeddings
         weights = {k: v for k, v in weights.items() if not (tied and k == "lm_head.weight")}
+        modules = dict(self.named_modules())
+        for name in list(weights):
+            module_name, _, param_name = name.rpartition(".")
+            module = modules.get(module_name)
+            if module is not None and hasattr(module, "shard_loaded_weight") and getattr(module, "tp_size", 1) > 1:
+                weights[name] = module.shard_loaded_weight(param_name, weights[name]).contiguous()
         result = self.load_state_dict(weights, strict=False, assign=True)
         missing = [k for k in result.missing_keys if not (tied and k == "lm_head.weight")]
         if missing or result.unexpected_keys:

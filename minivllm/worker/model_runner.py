@@ -113,9 +113,12 @@ class ModelRunner:
         self.scratch_block_id = num_gpu_blocks
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
+        # This rank's heads (all of them on one device; a share under tensor parallelism: QKVParallelLinear).
+        attn = model.model.layers[0].self_attn
+        self.num_heads, self.num_kv_heads = attn.num_heads, attn.num_kv_heads
         self.attn_backend = get_attn_backend(self.device, self.dtype, attention_backend, cfg.head_dim)
         self.attn_metadata_builder = self.attn_backend.get_builder_cls()(
-            block_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim, self.dtype, self.device
+            block_size, self.num_heads, self.num_kv_heads, cfg.head_dim, self.dtype, self.device
         )
         self.model.set_attention_backend(self.attn_backend)
         # The norms, SwiGLU and RoPE too (CustomOp): chosen here once, re-applied if another runner changed them.
@@ -124,8 +127,9 @@ class ModelRunner:
         self.max_num_blocks_per_req = min(num_gpu_blocks, -(-cfg.max_position_embeddings // block_size))
         self.requests: Dict[str, CachedRequestState] = {}
         self.input_batch = InputBatch(block_size, self.max_num_blocks_per_req, self.scratch_block_id)
-        shape = (2, num_gpu_blocks + 1, block_size, cfg.num_key_value_heads, cfg.head_dim)
-        # One tensor per layer: [K|V, block, offset in block, kv head, head dim].
+        shape = (2, num_gpu_blocks + 1, block_size, self.num_kv_heads, cfg.head_dim)
+        # One tensor per layer: [K|V, block, offset in block, kv head, head dim]. Under tensor parallelism each
+        # rank's cache holds its own KV heads only, under the same block ids (the scheduler's block tables).
         self.kv_caches: List[torch.Tensor] = [
             torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
         ]

@@ -18,10 +18,14 @@ Notebook 06 (preemption): ``check_schedule_step`` (the running loop with preempt
     compared with the engine's decisions step by step), ``check_resume_cost``.
 Notebook 07 (prefix caching): ``check_longest_cache_hit``, ``check_resume_cost_cached``.
 Notebook 08 (KV connectors): ``check_fixed_connector`` (the buggy connector's three failing scenarios).
-The worked solutions of 04-08 are in ``notebooks/solutions/part2_scheduler_solutions.ipynb``.
+The worked solutions are out of the main flow: 01-03 in ``notebooks/solutions/part1_foundations_solutions.ipynb``,
+04-08 in ``notebooks/solutions/part2_scheduler_solutions.ipynb``. The cells of 01-03 that build on an exercise take
+``use_yours_or_reference(yours, fallback.name, check_x)``: the learner's function when it passes its checker, else
+the package's own (``minivllm.course.exercises.fallback``).
 """
 
-from minivllm.course.exercises._harness import ExerciseFailed
+from minivllm.course.exercises import fallback
+from minivllm.course.exercises._harness import ExerciseFailed, use_yours_or_reference
 from minivllm.course.exercises._reference import one_request_metadata, split_layer_weights
 from minivllm.course.exercises.batching import check_static_batching
 from minivllm.course.exercises.chunks import check_chunk_prediction, check_predict_chunks, show_shared_budget
@@ -62,7 +66,9 @@ __all__ = [
     "check_static_batching",
     "check_swiglu",
     "check_write_kv",
+    "fallback",
     "one_request_metadata",
     "show_shared_budget",
     "split_layer_weights",
+    "use_yours_or_reference",
 ]

@@ -190,3 +190,29 @@ def not_written(value: Any, name: str) -> None:
     placeholder (``None`` or ``...``)."""
     if value is None or value is Ellipsis:
         raise _NotWrittenYet(f"{name} is still {value!r}")
+
+
+def use_yours_or_reference(yours: Any, reference: Any, check: Callable, *args: Any, **kwargs: Any) -> Any:
+    """``yours`` if it passes ``check`` (a ``check_x`` checker, run silently), else ``reference``.
+
+    For the cells after an exercise that build on the learner's function: the notebook runs top to bottom with the
+    exercise unfilled and shows the same results. Prints one line saying which is used (and why not yours), the
+    same line on every run. ``args``/``kwargs`` go to the checker after ``yours`` (e.g. ``model=model``).
+    """
+    name = getattr(reference, "__name__", "?")
+    where = f"{reference.__module__}.{name}"
+    if yours is reference:
+        print(f"{name}: the cells below use the package's reference ({where}); run your exercise cell again "
+              f"to use yours")
+        return reference
+    try:
+        check.__wrapped__(yours, *args, **kwargs)
+    except _NotWrittenYet:
+        print(f"{name}: not written yet, so the cells below use the package's reference ({where})")
+        return reference
+    except Exception:  # noqa: BLE001 - any failure of the learner's code means: not yet
+        print(f"{name}: yours does not pass its checker yet (run its cell to see why), so the cells below use the "
+              f"package's reference ({where})")
+        return reference
+    print(f"{name}: yours passes its checker, so the cells below use yours")
+    return yours

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from minivllm.distributed.communication_op import tensor_model_parallel_all_gather
 from minivllm.model.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from minivllm.model.packed_linear import PackedWeight
 
@@ -13,7 +14,9 @@ class LogitsProcessor(nn.Module):
     """``hidden [N, hidden_size]`` -> float32 ``logits [N, vocab_size]`` through the LM head's weight.
 
     The model runner passes only the rows it samples from (the last scheduled token of each request), because the
-    ``hidden x vocab`` product is the single biggest matmul of a step. In bfloat16 on the CPU the head's weight is
+    ``hidden x vocab`` product is the single biggest matmul of a step. Under tensor parallelism each rank
+    multiplies by its vocabulary rows and an all-gather joins the slices (vLLM gathers the same way, to every rank
+    on the CPU; the padding columns past ``vocab_size`` are cut). In bfloat16 on the CPU the head's weight is
     packed once for oneDNN (``packed_linear``); the packed copy lives here because a tied head *is* the
     embedding table, which is never multiplied anywhere else. No scaling or soft cap (Llama uses neither).
     """
@@ -24,4 +27,7 @@ class LogitsProcessor(nn.Module):
         self._packed = PackedWeight()
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        return self._packed.linear(hidden_states, lm_head.weight).float()
+        logits = self._packed.linear(hidden_states, lm_head.weight)
+        if lm_head.tp_size > 1:
+            logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size]
+        return logits.float()

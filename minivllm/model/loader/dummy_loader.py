@@ -9,6 +9,7 @@ import torch
 
 from minivllm import custom_ops
 from minivllm.config import ModelConfig
+from minivllm.distributed.parallel_state import full_model_view, get_tensor_model_parallel_world_size
 from minivllm.model.config import LlamaConfig, tiny_llama_config
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader.base_loader import BaseModelLoader
@@ -40,7 +41,16 @@ class DummyModelLoader(BaseModelLoader):
     the same for every dtype and device."""
 
     def load_model(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
-        return build_tiny_model(model_config.hf_config, self.load_config.seed, dtype).to(device)
+        if get_tensor_model_parallel_world_size() == 1:
+            return build_tiny_model(model_config.hf_config, self.load_config.seed, dtype).to(device)
+        # A tensor-parallel rank: draw the whole model's weights exactly as one device does, then keep this
+        # rank's share (load_weights shards), so every N gives the same model.
+        with full_model_view():
+            weights = build_tiny_model(model_config.hf_config, self.load_config.seed).state_dict()
+        with torch.device("meta"):
+            model = LlamaForCausalLM(model_config.hf_config)
+        model.load_weights(weights)
+        return model.to(device=device, dtype=dtype).eval()
 
 
 def build_tiny_model(config: Optional[LlamaConfig] = None, seed: int = 0, dtype=torch.float32) -> LlamaForCausalLM:

@@ -1,0 +1,122 @@
+"""Who this process is in the tensor-parallel group (vLLM: ``vllm/distributed/parallel_state.py``).
+
+vLLM keeps one ``GroupCoordinator`` per kind of parallelism (tensor, pipeline, data, expert); minivllm has only
+tensor parallelism, so the state is this module's: the ``torch.distributed`` process group of the ranks that
+share one model, this process's rank in it and the group's size. A process that never calls
+``initialize_model_parallel`` is a group of one (rank 0 of 1): every parallel layer is then the plain layer it
+replaces, and no collective is called.
+
+The layers read the group *when they are built* (as vLLM's do): a model built after
+``initialize_model_parallel(2)`` holds one rank's share of each weight.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+_TP_GROUP: Optional[dist.ProcessGroup] = None
+_TP_RANK = 0
+_TP_SIZE = 1
+
+
+def init_distributed_environment(world_size: int, rank: int, distributed_init_method: str = "env://",
+                                 backend: Optional[str] = None, local_rank: int = 0) -> None:
+    """Join the ``torch.distributed`` world (``dist.init_process_group``) unless this process already has.
+
+    Args:
+        world_size / rank: this process's place among all processes.
+        distributed_init_method: a rendezvous URL (``"tcp://host:port"``), or ``"env://"`` under ``torchrun``
+            (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` from the environment).
+        backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors); ``None`` picks NCCL when CUDA is
+            available, else gloo, as vLLM's platform does.
+        local_rank: the CUDA device of this process on its machine (ignored on the CPU).
+    """
+    if dist.is_initialized():
+        return
+    if backend is None:
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group(backend, init_method=distributed_init_method, world_size=world_size, rank=rank)
+
+
+def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
+    """Make the whole ``torch.distributed`` world one tensor-parallel group of ``tensor_model_parallel_size``
+    ranks (minivllm has no pipeline or data parallelism to carve out of it).
+
+    Raises:
+        RuntimeError: if ``init_distributed_environment`` was not called, or the world's size differs.
+    """
+    global _TP_GROUP, _TP_RANK, _TP_SIZE
+    if not dist.is_initialized():
+        raise RuntimeError("initialize_model_parallel: call init_distributed_environment first")
+    if dist.get_world_size() != tensor_model_parallel_size:
+        raise RuntimeError(f"tensor_parallel_size ({tensor_model_parallel_size}) must equal the torch.distributed "
+                           f"world size ({dist.get_world_size()}): minivllm has no other parallelism")
+    _TP_GROUP = dist.group.WORLD
+    _TP_RANK, _TP_SIZE = dist.get_rank(), tensor_model_parallel_size
+
+
+def destroy_model_parallel() -> None:
+    """Leave the group and the ``torch.distributed`` world (a worker's last step)."""
+    global _TP_GROUP, _TP_RANK, _TP_SIZE
+    _TP_GROUP, _TP_RANK, _TP_SIZE = None, 0, 1
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def model_parallel_is_initialized() -> bool:
+    return _TP_GROUP is not None
+
+
+def get_tp_group() -> Optional[dist.ProcessGroup]:
+    """The tensor-parallel process group, or ``None`` in a group of one."""
+    return _TP_GROUP
+
+
+def get_tensor_model_parallel_rank() -> int:
+    """This process's rank in the tensor-parallel group (0 when there is none)."""
+    return _TP_RANK
+
+
+def get_tensor_model_parallel_world_size() -> int:
+    """Ranks in the tensor-parallel group (1 when there is none)."""
+    return _TP_SIZE
+
+
+@contextlib.contextmanager
+def build_as_rank(rank: int, world_size: int) -> Iterator[None]:
+    """Build layers as rank ``rank`` of ``world_size`` while inside, without a process group: the loader builds
+    the whole model as ``build_as_rank(0, 1)`` (``full_model_view``) to draw dummy weights exactly as a single
+    device does, and the course builds each rank's share in one process to look at it. Nothing inside may run a
+    collective (there is no group).
+
+    Raises:
+        ValueError: for a rank outside ``[0, world_size)``.
+    """
+    global _TP_RANK, _TP_SIZE
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, world_size={world_size}), got {rank}")
+    saved = _TP_RANK, _TP_SIZE
+    _TP_RANK, _TP_SIZE = rank, world_size
+    try:
+        yield
+    finally:
+        _TP_RANK, _TP_SIZE = saved
+
+
+def full_model_view():
+    """``build_as_rank(0, 1)``: build the whole, unsharded model."""
+    return build_as_rank(0, 1)
+
+
+def torchrun_env() -> Optional[tuple]:
+    """``(world_size, rank, local_rank)`` when this process was started by ``torchrun``, else ``None``."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return (int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", 0)))
+    return None
