@@ -86,8 +86,12 @@ case "${1:-}" in
     echo "==> ruff (unused imports, undefined names) and mypy (core, scheduler, engine): see pyproject.toml"
     "$VENV/bin/python" -m ruff check
     "$VENV/bin/python" -m mypy
-    exec "$VENV/bin/python" -m pytest tests notebooks --nbval --nbval-current-env \
-      --nbval-sanitize-with notebooks/sanitize.cfg "$@"
+    # Two pytest-xdist workers, each with one torch thread, each notebook whole on one worker (--dist loadscope
+    # keeps a notebook's cells, and a test file's tests, together): most of the suite is single-threaded Python
+    # (the notebooks set one thread themselves), so two workers use both cores. MINIVLLM_TEST_WORKERS=0: one process.
+    export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+    exec "$VENV/bin/python" -m pytest -n "${MINIVLLM_TEST_WORKERS:-2}" --dist loadscope tests notebooks \
+      --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg "$@"
     ;;
   slides)
     # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed).
