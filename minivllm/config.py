@@ -140,32 +140,42 @@ class ParallelConfig:
                              f"{self.distributed_executor_backend!r}")
 
     def verify_with_model_config(self, hf_config: Any) -> None:
-        """vLLM's head rule (``ModelConfig.verify_with_parallel_config`` and ``QKVParallelLinear``), checked before
-        any process starts: query heads must divide by N; KV heads are split when they divide by N and replicated
-        when N is a multiple of their count; the MLP's ``intermediate_size`` must divide by N.
+        """vLLM's head rule, checked here in full before any process starts: query heads must divide by N; KV
+        heads are split when they divide by N and replicated when N is a multiple of their count; the MLP's
+        ``intermediate_size`` must divide by N.
+
+        vLLM 0.32.0 checks only the first of these up front (``ModelConfig.verify_with_parallel_config``,
+        ``vllm/config/model.py``, a ``ValueError``); the other two are ``divide()`` assertions in the workers, in
+        ``QKVParallelLinear`` and ``MergedColumnParallelLinear`` (``vllm/model_executor/layers/linear.py``).
+        minivllm checks all three first, so a bad size never starts a process; the method's name is minivllm's.
 
         Raises:
-            ValueError: naming ``tensor_parallel_size`` and the model's numbers.
+            ValueError: naming ``tensor_parallel_size``, the model's numbers, and the sizes that pass all three.
         """
         n = self.tensor_parallel_size
-        q, kv = hf_config.num_attention_heads, hf_config.num_key_value_heads
+        q, kv, inter = hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.intermediate_size
+        sizes = f"sizes that work for this model: {tensor_parallel_sizes(hf_config)}"
         if q % n:
             raise ValueError(
-                f"tensor_parallel_size ({n}) must divide the model's {q} query heads (num_attention_heads); "
-                f"with {kv} KV heads (num_key_value_heads), sizes that work: "
-                f"{[m for m in range(1, q + 1) if q % m == 0 and (kv % m == 0 or m % kv == 0)]}")
+                f"tensor_parallel_size ({n}) must divide the model's {q} query heads (num_attention_heads); it has {kv} "
+                f"KV heads (num_key_value_heads) and intermediate_size {inter}; {sizes}")
         if kv % n and n % kv:
             raise ValueError(
                 f"tensor_parallel_size ({n}) must divide the model's {kv} KV heads (num_key_value_heads) or be a "
-                f"multiple of them (each KV head then replicated on tensor_parallel_size / {kv} ranks)")
-        if hf_config.intermediate_size % n:
-            raise ValueError(f"tensor_parallel_size ({n}) must divide the model's intermediate_size "
-                             f"({hf_config.intermediate_size})")
+                f"multiple of them (each KV head then replicated on tensor_parallel_size / {kv} ranks); {sizes}")
+        if inter % n:
+            raise ValueError(f"tensor_parallel_size ({n}) must divide the model's intermediate_size ({inter}); {sizes}")
 
     def kv_heads_per_rank(self, hf_config: Any) -> int:
         """KV heads each rank's cache holds (vLLM's ``QKVParallelLinear.num_kv_heads``)."""
         kv = hf_config.num_key_value_heads
         return max(kv // self.tensor_parallel_size, 1)
+
+
+def tensor_parallel_sizes(hf_config: Any) -> list:
+    """Every ``tensor_parallel_size`` that passes ``ParallelConfig.verify_with_model_config`` for this model."""
+    q, kv, inter = hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.intermediate_size
+    return [m for m in range(1, q + 1) if q % m == 0 and (kv % m == 0 or m % kv == 0) and inter % m == 0]
 
 
 LOAD_FORMATS = ("auto", "gguf", "safetensors", "dummy")

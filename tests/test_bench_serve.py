@@ -163,3 +163,32 @@ def test_live_view_reads_both_servers_metrics():
     html = frame_html(Frame(1.0, waiting=45, running=2, kv_cache_usage=0.5, preemptions=1), max_squares=40)
     assert html.count("background:#f0a830") == 40 and "+5" in html and html.count("background:#3b7dd8") == 2
     assert "50.0 %" in html
+
+
+def test_latency_ends_at_the_last_chunk_with_a_choice_not_at_the_usage_chunk():
+    # vLLM's benchmark takes E2EL at the last chunk carrying a choice (most_recent_timestamp); a slow usage chunk
+    # and [DONE] after it must not count, nor change TPOT.
+    import asyncio
+
+    import httpx
+
+    from minivllm.bench.serve.request_func import RequestFuncInput, async_request_openai_completions
+
+    async def body():
+        for tok in ("a", "b"):
+            yield f'data: {json.dumps({"choices": [{"index": 0, "text": tok}]})}\n\n'.encode()
+        await asyncio.sleep(0.5)  # the usage chunk comes late
+        yield f'data: {json.dumps({"choices": [], "usage": {"completion_tokens": 2, "prompt_tokens": 3}})}\n\n'.encode()
+        yield b"data: [DONE]\n\n"
+
+    async def run():
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=body()))
+        async with httpx.AsyncClient(transport=transport) as client:
+            inp = RequestFuncInput(prompt=[1, 2, 3], api_url="http://test/v1/completions", output_len=2,
+                                   model="m")
+            return await async_request_openai_completions(inp, client)
+
+    out = asyncio.run(run())
+    assert out.success, out.error
+    assert out.output_tokens == 2 and len(out.itl) == 1
+    assert out.latency == pytest.approx(out.ttft + out.itl[0])  # ends at "b": the 0.5 s wait is not in it

@@ -50,8 +50,21 @@ def test_head_rule_smollm2():
     assert (cfg.num_attention_heads, cfg.num_key_value_heads) == (9, 3)
     ParallelConfig(3).verify_with_model_config(cfg)
     ParallelConfig(9).verify_with_model_config(cfg.__class__(intermediate_size=1539))  # each KV head on 3 ranks
-    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\).*9 query heads.*3 KV heads.*\[1, 3, 9\]"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size \(2\).*9 query heads.*3 KV heads.*\[1, 3\]"):
         ParallelConfig(2).verify_with_model_config(cfg)
+
+
+def test_the_sizes_an_error_lists_all_pass():
+    # SmolLM2's MLP (intermediate_size 1536) does not divide by 9, so 9 passes the head rule but is refused: the
+    # error's list must not offer it.
+    from minivllm.config import tensor_parallel_sizes
+
+    cfg = LlamaConfig()
+    assert tensor_parallel_sizes(cfg) == [1, 3]
+    for n in tensor_parallel_sizes(cfg) + tensor_parallel_sizes(tiny_tp_llama_config()):
+        ParallelConfig(n).verify_with_model_config(cfg if n in (1, 3) else tiny_tp_llama_config())
+    with pytest.raises(ValueError, match=r"intermediate_size \(1536\); sizes that work for this model: \[1, 3\]"):
+        ParallelConfig(9).verify_with_model_config(cfg)
 
 
 def test_head_rule_kv_split_or_replicated():

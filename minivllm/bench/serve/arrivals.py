@@ -3,9 +3,11 @@
 The gaps between arrivals are independent draws from a gamma distribution with shape ``burstiness`` and mean
 ``1 / request_rate``: ``burstiness = 1`` is the exponential distribution, i.e. a Poisson process of rate
 ``request_rate``; below 1 arrivals come in bursts, above 1 more evenly. ``request_rate = inf`` sends everything at
-once. Where minivllm differs from vLLM: the times are drawn up front from ``numpy.random.default_rng(seed)``
-(vLLM draws each gap from ``np.random`` as it goes), so one seed gives the same schedule on every machine and to
-every server of a comparison; and the first request is sent at time 0 (vLLM waits one gap before it too).
+once. Both draw all the gaps up front. Where minivllm differs from vLLM: its gaps come from its own
+``numpy.random.default_rng(seed)`` (vLLM's from the global ``np.random``), so one seed gives the same schedule on
+every machine and to every server of a comparison; the first request is sent at time 0 (vLLM waits one gap before
+it too); and the times are not rescaled (vLLM stretches them so that the last send is at exactly
+``num_requests / request_rate``, which steadies throughput across seeds).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 Per successful request: TTFT (send to first chunk), TPOT (``(latency - ttft) / (output_tokens - 1)``, the mean
 time per output token after the first; 0 for a one-token request, as in vLLM), end-to-end latency (E2EL, send to
-end of stream); the ITLs of all requests are pooled. Percentiles interpolate linearly (``numpy.percentile``).
+the last chunk carrying a choice, as vLLM times it); the ITLs of all requests are pooled. Percentiles interpolate linearly (``numpy.percentile``).
 Throughput divides by the run's duration (first send to last response). Goodput (DistServe, Zhong et al. 2024,
 section 2) is the number of requests per second that met every service-level objective given: a request is good
 when each of its measured TTFT / TPOT / E2EL is at most the SLO of that name.

@@ -4,7 +4,8 @@
 The prompt is sent as token ids (the benchmark's seeded random prompts need no tokenizer, and every server sees
 the same tokens), greedy, ``ignore_eos`` (vLLM's extra field, minivllm's too) so that every request produces
 exactly ``max_tokens`` tokens. Timing: TTFT is from sending the request to the first chunk carrying a choice; each
-later such chunk adds one inter-token latency (ITL); the output token count comes from the final ``usage`` chunk
+later such chunk adds one inter-token latency (ITL); the end-to-end latency ends at the last such chunk (the
+usage chunk and ``[DONE]`` after it are not counted, as in vLLM); the output token count comes from the final ``usage`` chunk
 (``stream_options.include_usage``). A chunk may carry more than one token (a server may bundle them): its gap is
 one ITL, as in vLLM's benchmark; TPOT, ``(latency - ttft) / (output_tokens - 1)``, is not affected by bundling.
 """
@@ -98,7 +99,9 @@ async def async_request_openai_completions(inp: RequestFuncInput, client: httpx.
                 if chunk.get("usage"):
                     out.output_tokens = int(chunk["usage"].get("completion_tokens") or 0)
                     out.prompt_len = int(chunk["usage"].get("prompt_tokens") or out.prompt_len)
-            out.latency = time.perf_counter() - st
+            # vLLM: latency = the time of the last chunk that carries a choice (most_recent_timestamp), so
+            # the usage chunk and [DONE] after it do not count.
+            out.latency = last - st
             if not done:
                 out.error = "the stream ended without 'data: [DONE]'"
             elif first:
