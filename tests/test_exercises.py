@@ -426,13 +426,13 @@ def test_compare_tensors_messages():
 
 # ---- notebooks 05-08: the scheduler and connector exercises, checked against the engine -----------------------
 # Solutions written from vLLM 0.32's Scheduler.schedule (FCFS) and the connector contract, not from the package.
-def schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting):
+def _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index):
     scheduled, preempted_any, i = {}, False, 0
     while i < len(running) and token_budget > 0:
         request = running[i]
         n = min(request.num_tokens - request.num_computed_tokens, token_budget)
         while not allocate_slots(request, n):
-            victim = running[-1]
+            victim = running[victim_index]
             preempt(victim)
             preempted_any = True
             if victim is request:
@@ -447,6 +447,10 @@ def schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiti
     return scheduled
 
 
+def schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting):
+    return _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index=-1)
+
+
 def schedule_step_without_gate(running, token_budget, allocate_slots, preempt, schedule_waiting):
     scheduled = schedule_step(running, token_budget, allocate_slots, preempt, lambda budget: None)
     schedule_waiting(token_budget - sum(scheduled.values()))
@@ -455,24 +459,7 @@ def schedule_step_without_gate(running, token_budget, allocate_slots, preempt, s
 
 def schedule_step_first_victim(running, token_budget, allocate_slots, preempt, schedule_waiting):
     """Preempts the head of the running queue instead of its tail."""
-    scheduled, preempted_any, i = {}, False, 0
-    while i < len(running) and token_budget > 0:
-        request = running[i]
-        n = min(request.num_tokens - request.num_computed_tokens, token_budget)
-        while not allocate_slots(request, n):
-            victim = running[0]
-            preempt(victim)
-            preempted_any = True
-            if victim is request:
-                break
-        if request not in running:
-            break
-        scheduled[request.request_id] = n
-        token_budget -= n
-        i += 1
-    if not preempted_any:
-        schedule_waiting(token_budget)
-    return scheduled
+    return _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index=0)
 
 
 def schedule_step_no_budget_cap(running, token_budget, allocate_slots, preempt, schedule_waiting):

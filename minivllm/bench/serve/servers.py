@@ -82,7 +82,7 @@ class ServerProcess:
                 if httpx.get(self.base_url + "/health", timeout=2).status_code == 200:
                     break
             except httpx.TransportError:
-                pass
+                pass  # not listening yet: try again until the timeout
             time.sleep(0.5)
         self.startup_s = time.monotonic() - t0
         return self
