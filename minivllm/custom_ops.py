@@ -13,9 +13,11 @@ Six operators, each replacing several PyTorch operators of one decoder layer:
 
 They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
-the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU only. Float32
-stays on the PyTorch operators: it is the exact reference the course compares against Hugging Face token for
-token. If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
+the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU. Float32 stays
+on the PyTorch operators by default: it is the exact reference the course compares against Hugging Face token for
+token. ``MINIVLLM_CPU_KERNELS_FP32=1`` runs float32 through the kernels as well (every kernel but the prefill
+attention, which is bfloat16-only, has a float32 path), as vLLM's CPU build runs float32 through its ``csrc/cpu``
+kernels; results then differ from the reference in the last bits (sums in another order). If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
 Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype, layout, block id,
@@ -125,19 +127,24 @@ def build_error() -> Optional[str]:
     return _state["error"]
 
 
+def kernel_dtypes() -> tuple:
+    """The dtypes a model runs through these kernels: bfloat16, and float32 when ``MINIVLLM_CPU_KERNELS_FP32=1``."""
+    return (torch.bfloat16, torch.float32) if envs.MINIVLLM_CPU_KERNELS_FP32 else (torch.bfloat16,)
+
+
 def use_cpu_kernels(device: torch.device | str, dtype: torch.dtype) -> bool:
-    """Whether a model on ``device`` in ``dtype`` should run these kernels: bfloat16 on the CPU, kernels enabled
-    (``MINIVLLM_CPU_KERNELS``) and built. Asked once per model runner (its attention backend and the model's
-    ``CustomOp`` layers), not per call."""
-    return torch.device(device).type == "cpu" and dtype == torch.bfloat16 and enabled() and load()
+    """Whether a model on ``device`` in ``dtype`` should run these kernels: a ``kernel_dtypes()`` dtype on the
+    CPU, kernels enabled (``MINIVLLM_CPU_KERNELS``) and built. Asked once per model runner (its attention backend,
+    the model's ``CustomOp`` layers and packed weights), not per call."""
+    return torch.device(device).type == "cpu" and dtype in kernel_dtypes() and enabled() and load()
 
 
 def usable(x: torch.Tensor) -> bool:
-    """True when the model should call the kernels for activations like ``x``: bfloat16 on the CPU, kernels
-    enabled and built, no autograd (the kernels have no backward)."""
+    """True when the model should call the kernels for activations like ``x``: a ``kernel_dtypes()`` dtype on
+    the CPU, kernels enabled and built, no autograd (the kernels have no backward)."""
     return (
         x.device.type == "cpu"
-        and x.dtype == torch.bfloat16
+        and x.dtype in kernel_dtypes()
         and enabled()
         and not torch.is_grad_enabled()
         and load()

@@ -6,6 +6,11 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
 * ``MINIVLLM_CPU_KERNELS`` (default ``1``): ``0`` keeps bfloat16 on the CPU on PyTorch operators instead of
   minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is
   built (its attention backend and its ``CustomOp`` layers' implementation), never per call.
+* ``MINIVLLM_CPU_KERNELS_FP32`` (default ``0``): ``1`` runs float32 on the CPU through the same kernels too (decode
+  attention, norms, SiLU-and-mul, RoPE) and multiplies decode-sized batches with oneDNN-packed weights, as vLLM's
+  CPU build runs float32. Off by default because float32 is the course's exact reference: with it on, results
+  differ from the PyTorch operators in the last bits (``minivllm.custom_ops``). Read when a model is loaded and
+  when a model runner is built, like ``MINIVLLM_CPU_KERNELS``, which must also be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
   ``minivllm.model.packed_linear`` (read once, when that module is imported).
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
@@ -43,6 +48,7 @@ def _optional_flag(name: str) -> Callable[[], Optional[bool]]:
 
 environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CPU_KERNELS": _flag("MINIVLLM_CPU_KERNELS", "1"),
+    "MINIVLLM_CPU_KERNELS_FP32": _flag("MINIVLLM_CPU_KERNELS_FP32", "0"),
     "MINIVLLM_ONEDNN_PACKING": _flag("MINIVLLM_ONEDNN_PACKING", "1"),
     "VLLM_USE_V2_MODEL_RUNNER": _optional_flag("VLLM_USE_V2_MODEL_RUNNER"),
     "MINIVLLM_CACHE": lambda: os.environ.get(

@@ -31,12 +31,13 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[st
             (vLLM's ``vllm/platforms/cuda.py`` ``_get_backend_priorities`` puts ``FLASH_ATTN`` first and
             ``TRITON_ATTN`` after it; minivllm has no FlashAttention backend); on the CPU ``CPU_ATTN`` for
             bfloat16 when ``MINIVLLM_CPU_KERNELS`` is not ``0`` and the kernels build (float32 stays on PyTorch: it
-            is the exact reference compared with Hugging Face); else ``TORCH_SDPA``.
+            is the exact reference compared with Hugging Face; ``MINIVLLM_CPU_KERNELS_FP32=1`` gives float32
+            ``CPU_ATTN`` too, with prefills on SDPA); else ``TORCH_SDPA``.
         head_size: the model's head dimension, checked against the Triton kernels' limits (``None``: not checked).
 
     Raises:
-        ValueError: an unknown ``name``; ``CPU_ATTN`` where its kernels cannot run (not bfloat16 on the CPU, or not
-            built); ``TRITON_ATTN`` where its kernels cannot run, with the reason (on the CPU: only under
+        ValueError: an unknown ``name``; ``CPU_ATTN`` where its kernels cannot run (neither bfloat16 nor float32 on
+            the CPU, or not built); ``TRITON_ATTN`` where its kernels cannot run, with the reason (on the CPU: only under
             ``TRITON_INTERPRET=1``, in float32 or float16).
     """
     device = torch.device(device)
@@ -49,8 +50,9 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[st
     backend = BACKENDS.get(name.upper())
     if backend is None:
         raise ValueError(f"attention_backend must be one of {sorted(BACKENDS)} or None, got {name!r}")
-    if backend is CPUAttentionBackend and not (device.type == "cpu" and dtype == torch.bfloat16 and custom_ops.load()):
-        raise ValueError(f"CPU_ATTN needs bfloat16 on the CPU and built kernels, got {dtype} on {device}")
+    if backend is CPUAttentionBackend and not (
+            device.type == "cpu" and dtype in (torch.bfloat16, torch.float32) and custom_ops.load()):
+        raise ValueError(f"CPU_ATTN needs bfloat16 or float32 on the CPU and built kernels, got {dtype} on {device}")
     if backend is TritonAttentionBackend:
         reason = triton_attn_unavailable(device, dtype, head_size)
         if reason is not None:

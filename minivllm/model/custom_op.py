@@ -30,6 +30,7 @@ class CustomOp(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self._forward_method: Callable[..., Any] = self.forward_native
+        self.kernel_dtype = torch.bfloat16  # the dtype forward_cpu hands to a kernel (set_dispatch)
 
     def forward(self, *args, **kwargs):
         return self._forward_method(*args, **kwargs)
@@ -54,9 +55,12 @@ class CustomOp(nn.Module):
             return self.forward_cpu
         return self.forward_native
 
-    def set_dispatch(self, device_type: str, use_cpu_kernels: bool) -> None:
-        """Make ``forward`` call ``dispatch_forward(device_type, use_cpu_kernels)`` from now on."""
+    def set_dispatch(self, device_type: str, use_cpu_kernels: bool, kernel_dtype: torch.dtype = torch.bfloat16) -> None:
+        """Make ``forward`` call ``dispatch_forward(device_type, use_cpu_kernels)`` from now on; ``forward_cpu``
+        gives its kernel inputs of ``kernel_dtype`` only (the model's dtype: bfloat16, or float32 under
+        ``MINIVLLM_CPU_KERNELS_FP32=1``) and computes any other dtype with ``forward_native``."""
         self._forward_method = self.dispatch_forward(device_type, use_cpu_kernels)
+        self.kernel_dtype = kernel_dtype
 
     @property
     def forward_method_name(self) -> str:
@@ -64,7 +68,8 @@ class CustomOp(nn.Module):
         return self._forward_method.__name__
 
 
-def no_kernel_for(x: torch.Tensor) -> bool:
-    """True when a CPU kernel cannot take ``x`` whatever the dispatch: not bfloat16 on the CPU (float32 stays on
-    PyTorch, the exact reference), or autograd is recording (the kernels have no backward)."""
-    return x.dtype != torch.bfloat16 or x.device.type != "cpu" or torch.is_grad_enabled()
+def no_kernel_for(x: torch.Tensor, kernel_dtype: torch.dtype = torch.bfloat16) -> bool:
+    """True when a CPU kernel must not take ``x`` whatever the dispatch: not ``kernel_dtype`` (the layer's, set
+    with its dispatch: float32 stays on PyTorch, the exact reference, unless the model runner chose the float32
+    kernels) or not on the CPU, or autograd is recording (the kernels have no backward)."""
+    return x.dtype != kernel_dtype or x.device.type != "cpu" or torch.is_grad_enabled()

@@ -9,7 +9,12 @@ underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/m
 ``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
 
 Float32 keeps ``F.linear`` (MKL), which is the reference the course compares against token for token; oneDNN's
-float32 results differ in the last bits. Set ``ENABLED = False`` (or ``MINIVLLM_ONEDNN_PACKING=0``) to compare.
+float32 results differ in the last bits. With ``MINIVLLM_CPU_KERNELS_FP32=1`` a float32 model packs its weights
+too (the loader and the model runner say so through ``set_float32``), as vLLM's CPU build does for every dtype,
+but only for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's
+30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for
+64-512, MKL was faster for 1 row (a matrix-vector product: 0.80x oneDNN's time) and level at 1024.
+Set ``ENABLED = False`` (or ``MINIVLLM_ONEDNN_PACKING=0``) to compare.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch.nn.functional as F
 from minivllm import envs
 
 ENABLED = envs.MINIVLLM_ONEDNN_PACKING
+FP32_PACKED_TOKENS = range(2, 1025)  # rows of x for which a float32 packed weight beats MKL (module doc)
 _SUPPORTED: Optional[bool] = None
 
 
@@ -45,17 +51,21 @@ class PackedWeight:
         self._ref = None
         self._version = -1
         self._packed: Optional[torch.Tensor] = None
+        self.float32 = False  # set_float32: the model runs float32 through oneDNN too
+
+    def set_float32(self, on: bool) -> None:
+        """Pack float32 weights as well (``MINIVLLM_CPU_KERNELS_FP32=1``, decided once per model runner)."""
+        self.float32 = on
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        return (
-            ENABLED
-            and x.device.type == "cpu"
-            and x.dtype == torch.bfloat16
-            and weight.dtype == torch.bfloat16
-            and x.dim() == 2
-            and not torch.is_grad_enabled()  # the packed op has no backward
-            and onednn_bf16_available()
-        )
+        if not ENABLED or x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype:
+            return False
+        if torch.is_grad_enabled():  # the packed op has no backward
+            return False
+        if x.dtype == torch.bfloat16:
+            return onednn_bf16_available()
+        return (x.dtype == torch.float32 and self.float32 and x.shape[0] in FP32_PACKED_TOKENS
+                and torch.backends.mkldnn.is_available())
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when

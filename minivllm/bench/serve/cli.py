@@ -301,7 +301,9 @@ def run_benchmark(a) -> Dict:
     args = {k: v for k, v in vars(a).items() if k not in ("api_key",)}
     return {"args": args, "workload": wl.summary(), "targets": [{k: v for k, v in t.items() if k != "api_key"}
                                                                  for t in targets],
-            "runs": runs, "summary": summarize(runs), "skipped": skipped, "cpu_count": os.cpu_count()}
+            "runs": runs, "summary": summarize(runs), "skipped": skipped, "cpu_count": os.cpu_count(),
+            # the started servers inherit these (MINIVLLM_CPU_KERNELS_FP32=1: float32 through the kernels)
+            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MINIVLLM_", "VLLM_", "OMP_"))}}
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -33,7 +33,7 @@ class RMSNorm(CustomOp):
         return self._norm(x)
 
     def forward_cpu(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None):
-        if x.dim() != 2 or no_kernel_for(x) or self.weight.dtype != x.dtype:
+        if x.dim() != 2 or no_kernel_for(x, self.kernel_dtype) or self.weight.dtype != x.dtype:
             return self.forward_native(x, residual)
         if residual is None:
             return custom_ops.rms_norm(x, self.weight, self.eps)

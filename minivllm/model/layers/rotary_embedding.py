@@ -24,7 +24,7 @@ class RotaryEmbedding(CustomOp):
     instance is shared by every attention layer (``get_rope``), possibly of several models on several devices,
     so a copy per device is made on first use instead of moving the tables. Being shared, its dispatch
     (``CustomOp``) is the last model runner's choice; that never changes a number, since the kernel is
-    bit-identical to ``forward_native`` and takes bfloat16 only.
+    bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/test_custom_ops.py``).
     """
 
     def __init__(self, head_size: int, max_position: int, base: float) -> None:
@@ -59,10 +59,11 @@ class RotaryEmbedding(CustomOp):
         return _rotate(query, cos, sin), None if key is None else _rotate(key, cos, sin)
 
     def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
-        """In bfloat16, the q|k heads of the fused qkv output stacked in ``query`` (``key=None``) are rotated in
+        """In bfloat16 (and float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``), the q|k heads of the fused qkv output
+        stacked in ``query`` (``key=None``) are rotated in
         place by one kernel (``custom_ops.rotary_embedding``, bit-identical) and ``(query, None)`` returned;
         anything else takes ``forward_native``."""
-        if (key is not None or no_kernel_for(query) or query.dim() != 3 or query.stride(2) != 1
+        if (key is not None or no_kernel_for(query, self.kernel_dtype) or query.dim() != 3 or query.stride(2) != 1
                 or query.stride(1) != query.shape[2]):
             return self.forward_native(positions, query, key)
         custom_ops.rotary_embedding(positions, query, query.shape[1], self.cos_cache, self.sin_cache)

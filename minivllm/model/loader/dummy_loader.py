@@ -58,5 +58,6 @@ def build_tiny_model(config: Optional[LlamaConfig] = None, seed: int = 0, dtype=
     ``dtype`` on the CPU, eval mode. ``LLMEngine("tiny")`` runs ``build_tiny_model()``."""
     model = LlamaForCausalLM(config or tiny_llama_config())
     initialize_dummy_weights(model, seed)
-    model.set_custom_op_dispatch("cpu", custom_ops.use_cpu_kernels("cpu", dtype))
-    return model.to(dtype).eval()
+    model = model.to(dtype).eval()
+    model.set_custom_op_dispatch("cpu", custom_ops.use_cpu_kernels("cpu", dtype))  # after .to: it reads the dtype
+    return model
