@@ -128,3 +128,60 @@ def test_smollm2_greedy_tokens_unchanged(monkeypatch, real_llm):
     llm = LLM(dtype="float32")
     assert llm.llm_engine.model_runner.attn_backend.get_name() == "CPU_ATTN"
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+
+
+def test_float32_prefills_stay_on_sdpa_where_the_bf16_prefill_kernel_exists(monkeypatch):
+    """On a CPU with AVX512-BF16 (head size 64 or 128) ``CPU_ATTN`` runs prefills through
+    ``paged_attention_prefill``, which takes bfloat16 only: a float32 model must keep its prefills on SDPA there.
+    This machine lacks AVX512-BF16, so the kernel's availability and its dtype check are stood in for."""
+    from minivllm.attention.backends import cpu_attn
+
+    prefill_calls = []
+
+    def bf16_only_prefill(out, query, *args):
+        prefill_calls.append(query.dtype)
+        if query.dtype != torch.bfloat16:  # the kernel's own check (csrc/prefill_attention.cpp)
+            raise RuntimeError("paged_attention_prefill: query, kv_cache and out must be bfloat16")
+        raise AssertionError("no bfloat16 model runs here")
+
+    monkeypatch.setattr(cpu_attn, "prefill_kernel_supported", lambda head_dim: True)
+    monkeypatch.setattr(custom_ops, "paged_attention_prefill", bf16_only_prefill)
+    _, on, tokens_on = _run(monkeypatch, "1", PROMPTS, 4)
+    assert prefill_calls == []
+    monkeypatch.undo()
+    _, off, tokens_off = _run(monkeypatch, "0", PROMPTS, 4)
+    assert tokens_on == tokens_off
+    for a, b in zip(on, off):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_packed_weight_follows_a_dtype_round_trip():
+    """``model.to(dtype)`` replaces a parameter's data without bumping its version: the packed copy must not
+    keep multiplying by the old values."""
+    from minivllm.model.packed_linear import Linear
+
+    layer = Linear(64, 96, bias=False)
+    layer._packed_weight.set_float32(True)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        before = layer(x)
+        layer.to(torch.bfloat16).to(torch.float32)  # the weights are now rounded to bfloat16
+        after = layer(x)
+        expected = F.linear(x, layer.weight)
+    assert not torch.equal(before, expected)  # the rounding changed the product
+    torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_a_float32_engine_leaves_a_bfloat16_model_its_rope_kernel(monkeypatch):
+    """Equal models share one ``RotaryEmbedding`` (``get_rope``), whose dispatch is the last runner's. A float32
+    engine built under the switch must not send a bfloat16 model's RoPE back to PyTorch (the kernel is
+    bit-identical in both dtypes, so only the time is at stake)."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
+    bf16 = LLMEngine(build_tiny_model(dtype=torch.bfloat16), enable_prefix_caching=False)
+    LLMEngine(build_tiny_model(dtype=torch.float32), enable_prefix_caching=False)
+    calls = _count_kernel_calls(monkeypatch)
+    bf16.add_request("0", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=2))
+    while bf16.has_unfinished_requests():
+        bf16.step()
+    assert calls["rotary_embedding"] > 0

@@ -45,11 +45,13 @@ def onednn_bf16_available() -> bool:
 
 
 class PackedWeight:
-    """A oneDNN-packed copy of one weight, rebuilt whenever the weight tensor is replaced or modified in place."""
+    """A oneDNN-packed copy of one weight, rebuilt whenever the weight tensor is replaced, modified in place or
+    given new data (``module.to(dtype)``)."""
 
     def __init__(self) -> None:
         self._ref = None
         self._version = -1
+        self._data: Optional[torch.Tensor] = None
         self._packed: Optional[torch.Tensor] = None
         self.float32 = False  # set_float32: the model runs float32 through oneDNN too
 
@@ -72,9 +74,13 @@ class PackedWeight:
         ``usable``, else ``F.linear``."""
         if not self.usable(x, weight):
             return F.linear(x, weight, bias)
-        if self._ref is None or self._ref() is not weight or self._version != weight._version:
+        # The version counter sees in-place writes; ``module.to(dtype)`` swaps ``param.data`` instead, which keeps
+        # the object and its version: ``_data`` (a view, no copy) tells the storage apart, and holding it keeps its
+        # address from being reused by the new one.
+        if (self._ref is None or self._ref() is not weight or self._version != weight._version
+                or self._data.data_ptr() != weight.data_ptr() or self._data.dtype != weight.dtype):
             self._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), None)
-            self._ref, self._version = weakref.ref(weight), weight._version
+            self._ref, self._version, self._data = weakref.ref(weight), weight._version, weight.detach()
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
 
 

@@ -1,11 +1,12 @@
-"""The CPU-kernels attention backend: minivllm's C++ paged-attention kernels for bfloat16 on the CPU (vLLM:
-``vllm/v1/attention/backends/cpu_attn.py`` over ``csrc/cpu``).
+"""The CPU-kernels attention backend: minivllm's C++ paged-attention kernels for bfloat16 on the CPU, and for
+float32 under ``MINIVLLM_CPU_KERNELS_FP32=1`` (vLLM: ``vllm/v1/attention/backends/cpu_attn.py`` over ``csrc/cpu``).
 
-Decode requests run through ``custom_ops.paged_attention_decode``, which reads each request's blocks in place: no
-gather, padding, mask, groups or workspace. Prefill chunks run through ``custom_ops.paged_attention_prefill`` where
-the CPU has AVX512-BF16 and the head size is 64 or 128; elsewhere through PyTorch SDPA
-(``torch_sdpa.sdpa_prefill``). Both choices are made once, when the implementation is built: each ``CPUAttentionImpl``
-holds the operators it calls.
+Decode requests run through ``custom_ops.paged_attention_decode`` (bfloat16 or float32), which reads each request's
+blocks in place: no gather, padding, mask, groups or workspace. Prefill chunks run through
+``custom_ops.paged_attention_prefill`` where the CPU has AVX512-BF16, the head size is 64 or 128 and the model is
+bfloat16 (the kernel takes nothing else); elsewhere through PyTorch SDPA (``torch_sdpa.sdpa_prefill``). The
+kernel choice is made once, when the implementation is built: each ``CPUAttentionImpl`` holds the operators it
+calls; only the dtype test is per call, because the implementation is built before it sees a tensor.
 """
 
 from __future__ import annotations
@@ -98,7 +99,9 @@ class CPUAttentionImpl(AttentionImpl):
             self._decode_op(out, query, kv_cache, md.decode_block_table, md.decode_seq_lens, md.decode_token_idx,
                             self.scale)
         if md.prefill_reqs:
-            self._prefill(out, query, key, value, kv_cache, md)
+            # float32 (MINIVLLM_CPU_KERNELS_FP32=1) never reaches the prefill kernel: it is bfloat16-only.
+            prefill = self._prefill if query.dtype == torch.bfloat16 else self._prefill_sdpa
+            prefill(out, query, key, value, kv_cache, md)
         return out
 
 

@@ -24,7 +24,10 @@ class RotaryEmbedding(CustomOp):
     instance is shared by every attention layer (``get_rope``), possibly of several models on several devices,
     so a copy per device is made on first use instead of moving the tables. Being shared, its dispatch
     (``CustomOp``) is the last model runner's choice; that never changes a number, since the kernel is
-    bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/test_custom_ops.py``).
+    bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/test_custom_ops.py``). For the same
+    reason ``forward_cpu`` gives the kernel either dtype whatever ``kernel_dtype`` the last runner set: a float32
+    model under ``MINIVLLM_CPU_KERNELS_FP32=1`` must not take the kernel away from a bfloat16 model that shares
+    this instance, and a float32 model without the switch gets the reference's exact bits from it.
     """
 
     def __init__(self, head_size: int, max_position: int, base: float) -> None:
@@ -59,15 +62,18 @@ class RotaryEmbedding(CustomOp):
         return _rotate(query, cos, sin), None if key is None else _rotate(key, cos, sin)
 
     def forward_cpu(self, positions: torch.Tensor, query: torch.Tensor, key: Optional[torch.Tensor] = None):
-        """In bfloat16 (and float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``), the q|k heads of the fused qkv output
-        stacked in ``query`` (``key=None``) are rotated in
-        place by one kernel (``custom_ops.rotary_embedding``, bit-identical) and ``(query, None)`` returned;
-        anything else takes ``forward_native``."""
-        if (key is not None or no_kernel_for(query, self.kernel_dtype) or query.dim() != 3 or query.stride(2) != 1
-                or query.stride(1) != query.shape[2]):
+        """In bfloat16 or float32, the q|k heads of the fused qkv output stacked in ``query [T, H + Hkv, D]``
+        (``key=None``, heads contiguous) are rotated in place by one kernel (``custom_ops.rotary_embedding``,
+        bit-identical in both dtypes, so ``kernel_dtype`` is not consulted: see the class doc) and ``(query, None)``
+        returned; anything else takes ``forward_native``."""
+        if (key is not None or query.dtype not in _KERNEL_DTYPES or no_kernel_for(query, query.dtype)
+                or query.dim() != 3 or query.stride(2) != 1 or query.stride(1) != query.shape[2]):
             return self.forward_native(positions, query, key)
         custom_ops.rotary_embedding(positions, query, query.shape[1], self.cos_cache, self.sin_cache)
         return query, None
+
+
+_KERNEL_DTYPES = (torch.bfloat16, torch.float32)  # custom_ops.rotary_embedding is bit-identical in both
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
