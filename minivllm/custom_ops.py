@@ -15,9 +15,11 @@ They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on 
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
 the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU. Float32 stays
 on the PyTorch operators by default: it is the exact reference the course compares against Hugging Face token for
-token. ``MINIVLLM_CPU_KERNELS_FP32=1`` runs float32 through the kernels as well (every kernel but the prefill
-attention, which is bfloat16-only, has a float32 path), as vLLM's CPU build runs float32 through its ``csrc/cpu``
-kernels; results then differ from the reference in the last bits (sums in another order). If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
+token. ``MINIVLLM_CPU_KERNELS_FP32=1`` runs float32 through the decode attention, RMSNorm and RoPE kernels as
+well, as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ from the reference in
+the last bits (sums in another order). ``silu_and_mul`` has a float32 path but the model does not call it in
+float32 (slower than PyTorch's SiLU on AVX2: ``SiluAndMul``), and ``paged_attention_prefill`` is bfloat16-only.
+If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
 Every wrapper raises ``RuntimeError`` (from the kernel's checks) on a wrong shape, dtype, layout, block id,

@@ -1,4 +1,5 @@
-"""bfloat16 linear layers on the CPU through oneDNN with the weight packed once, not on every call.
+"""bfloat16 linear layers on the CPU (and float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``) through oneDNN with the
+weight packed once, not on every call.
 
 A CPU matmul library lays the weight out in the blocked order its inner kernel reads (here oneDNN's AVX512-BF16
 kernel). ``F.linear`` redoes that reordering on every call; for a decode step, whose activations are a handful of
@@ -8,7 +9,7 @@ copy halves the time of a batch-1 decode matmul and gains 10-20 % on large batch
 underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/model_executor/layers/utils.py``
 ``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
 
-Float32 keeps ``F.linear`` (MKL), which is the reference the course compares against token for token; oneDNN's
+Float32 keeps ``F.linear`` (MKL) by default, which is the reference the course compares against token for token; oneDNN's
 float32 results differ in the last bits. With ``MINIVLLM_CPU_KERNELS_FP32=1`` a float32 model packs its weights
 too (the loader and the model runner say so through ``set_float32``), as vLLM's CPU build does for every dtype,
 but only for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's
@@ -56,10 +57,14 @@ class PackedWeight:
         self.float32 = False  # set_float32: the model runs float32 through oneDNN too
 
     def set_float32(self, on: bool) -> None:
-        """Pack float32 weights as well (``MINIVLLM_CPU_KERNELS_FP32=1``, decided once per model runner)."""
+        """Pack float32 weights as well, for ``FP32_PACKED_TOKENS`` rows (``MINIVLLM_CPU_KERNELS_FP32=1``: set by
+        ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader and by each model runner)."""
         self.float32 = on
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``linear`` takes the packed path for ``x [N, in]`` and ``weight [out, in]``: same dtype, on the
+        CPU, no autograd, packing enabled; bfloat16 where oneDNN has native bf16 matmuls, float32 when
+        ``set_float32`` is on and ``N`` is in ``FP32_PACKED_TOKENS``."""
         if not ENABLED or x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype:
             return False
         if torch.is_grad_enabled():  # the packed op has no backward
@@ -85,7 +90,8 @@ class PackedWeight:
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose bfloat16 CPU forward multiplies with a packed copy of the weight (see module doc).
+    """``nn.Linear`` whose CPU forward multiplies with a packed copy of the weight in bfloat16, and in float32 for
+    ``FP32_PACKED_TOKENS`` rows once ``PackedWeight.set_float32`` is on (see module doc).
 
     The parameters, ``state_dict`` and every other path are ``nn.Linear``'s.
     """
