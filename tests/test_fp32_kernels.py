@@ -185,3 +185,44 @@ def test_a_float32_engine_leaves_a_bfloat16_model_its_rope_kernel(monkeypatch):
     while bf16.has_unfinished_requests():
         bf16.step()
     assert calls["rotary_embedding"] > 0
+
+
+def test_two_engines_sharing_a_model_each_keep_their_choice(monkeypatch):
+    """Notebook 09's pattern: one model object, one engine built with the switch and one without, stepped in
+    turns. Each step re-applies its runner's choice (kernels, packed weights, attention backend), so the engine
+    without the switch gives the reference's exact logits while the other runs the kernels."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
+    model = build_tiny_model(dtype=torch.float32)
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
+    on = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "0")
+    off = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    ref = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
+    sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    for eng in (on, off, ref):
+        eng.model_runner.keep_logits = True
+        for i, p in enumerate(PROMPTS):
+            eng.add_request(str(i), {"prompt_token_ids": p}, sp)
+    on_differs = False
+    while ref.has_unfinished_requests():
+        on.step()
+        assert model.attn_backend.get_name() == "CPU_ATTN"
+        off.step()
+        assert model.attn_backend.get_name() == "TORCH_SDPA"
+        ref.step()
+        reference = ref.model_runner.last_inputs.logits
+        assert torch.equal(off.model_runner.last_inputs.logits, reference)
+        torch.testing.assert_close(on.model_runner.last_inputs.logits, reference, atol=2e-5, rtol=1e-4)
+        on_differs |= not torch.equal(on.model_runner.last_inputs.logits, reference)
+    assert on_differs
+
+
+def test_kernels_off_wins_over_the_float32_switch(monkeypatch):
+    """``MINIVLLM_CPU_KERNELS=0`` keeps everything on PyTorch even with ``MINIVLLM_CPU_KERNELS_FP32=1`` (envs.py)."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "0")
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
+    eng = LLMEngine(build_tiny_model(dtype=torch.float32), enable_prefix_caching=False)
+    model = eng.model_runner.model
+    assert {m.forward_method_name for m in model.modules() if isinstance(m, CustomOp)} == {"forward_native"}
+    assert eng.model_runner.attn_backend.get_name() == "TORCH_SDPA"
+    assert not any(p.float32 for p in _packed(model))
