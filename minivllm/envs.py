@@ -8,9 +8,10 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
   built (its attention backend and its ``CustomOp`` layers' implementation), never per call.
 * ``MINIVLLM_CPU_KERNELS_FP32`` (default ``0``): ``1`` runs float32 on the CPU through the same kernels too (decode
   attention, RMSNorm, RoPE; SiLU-and-mul and prefill attention stay on PyTorch) and multiplies steps of 2-1024
-  rows with oneDNN-packed weights (``packed_linear.FP32_PACKED_TOKENS``), as vLLM's CPU build runs float32. Off by default because float32 is the course's exact reference: with it on, results
-  differ from the PyTorch operators in the last bits (``minivllm.custom_ops``). Read when a model is loaded and
-  when a model runner is built, like ``MINIVLLM_CPU_KERNELS``, which must also be on.
+  rows with oneDNN-packed weights (``packed_linear.FP32_PACKED_TOKENS``), as vLLM's CPU build runs float32. Off by
+  default because float32 is the course's exact reference: with it on, results differ from the PyTorch operators
+  in the last bits (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is built, like
+  ``MINIVLLM_CPU_KERNELS``, which must also be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
   ``minivllm.model.packed_linear`` (read once, when that module is imported).
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.

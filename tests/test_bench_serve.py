@@ -123,7 +123,7 @@ def test_bench_serve_against_minivllm_server(tmp_path):
     records exactly the tokens the seeded workload asks for."""
     out = tmp_path / "r.json"
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false",
-               OMP_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", VLLM_API_KEY="not-for-the-json")  # vllm serve's key: never recorded
     args = ["--model", "tiny", "--dtype", "float32", "--request-rate", "50", "inf", "--num-prompts", "6",
             "--prompt-len", "4", "12", "--output-len", "2", "6", "--warmup", "1", "--json", str(out),
             "--startup-timeout", "120"]
@@ -139,6 +139,7 @@ def test_bench_serve_against_minivllm_server(tmp_path):
         assert m["total_output"] == sum(wl.max_tokens) and m["total_input"] == wl.num_prompt_tokens
         assert m["ttft_ms"]["p50"] <= m["e2el_ms"]["p50"]
         assert run["preemptions"] == 0
+    assert res["env"]["OMP_NUM_THREADS"] == "1" and "not-for-the-json" not in out.read_text()
     assert (tmp_path / "r.png").stat().st_size > 10_000
     assert "minivllm    50" in r.stdout and "(median over repeats" in r.stdout
     assert (tmp_path / "server-minivllm.log").exists()

@@ -9,8 +9,8 @@ copy halves the time of a batch-1 decode matmul and gains 10-20 % on large batch
 underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/model_executor/layers/utils.py``
 ``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
 
-Float32 keeps ``F.linear`` (MKL) by default, which is the reference the course compares against token for token; oneDNN's
-float32 results differ in the last bits. With ``MINIVLLM_CPU_KERNELS_FP32=1`` a float32 model packs its weights
+Float32 keeps ``F.linear`` (MKL) by default, which is the reference the course compares against token for token;
+oneDNN's float32 results differ in the last bits. With ``MINIVLLM_CPU_KERNELS_FP32=1`` a float32 model packs its weights
 too (the loader and the model runner say so through ``set_float32``), as vLLM's CPU build does for every dtype,
 but only for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's
 30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for

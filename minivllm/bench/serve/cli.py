@@ -302,8 +302,17 @@ def run_benchmark(a) -> Dict:
     return {"args": args, "workload": wl.summary(), "targets": [{k: v for k, v in t.items() if k != "api_key"}
                                                                  for t in targets],
             "runs": runs, "summary": summarize(runs), "skipped": skipped, "cpu_count": os.cpu_count(),
-            # the started servers inherit these (MINIVLLM_CPU_KERNELS_FP32=1: float32 through the kernels)
-            "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith(("MINIVLLM_", "VLLM_", "OMP_"))}}
+            "env": recorded_env(os.environ)}
+
+
+def recorded_env(environ: Dict[str, str]) -> Dict[str, str]:
+    """The ``MINIVLLM_*``, ``VLLM_*`` and ``OMP_*`` variables the started servers inherit
+    (``MINIVLLM_CPU_KERNELS_FP32=1`` sends minivllm's float32 through its kernels), for the results JSON. Secrets
+    (``VLLM_API_KEY``, which ``vllm serve`` takes as its API key, or any name with ``KEY``, ``TOKEN``, ``SECRET``
+    or ``PASSWORD``) are left out, as ``--api-key`` is."""
+    secret = re.compile(r"KEY|TOKEN|SECRET|PASSWORD", re.IGNORECASE)
+    return {k: v for k, v in sorted(environ.items())
+            if k.startswith(("MINIVLLM_", "VLLM_", "OMP_")) and not secret.search(k)}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
