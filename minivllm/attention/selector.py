@@ -36,9 +36,9 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Optional[st
         head_size: the model's head dimension, checked against the Triton kernels' limits (``None``: not checked).
 
     Raises:
-        ValueError: an unknown ``name``; ``CPU_ATTN`` where its kernels cannot run (neither bfloat16 nor float32 on
-            the CPU, or not built); ``TRITON_ATTN`` where its kernels cannot run, with the reason (on the CPU: only under
-            ``TRITON_INTERPRET=1``, in float32 or float16).
+        ValueError: an unknown ``name``; ``CPU_ATTN`` where its kernels cannot run (neither bfloat16 nor float32
+            on the CPU, or not built); ``TRITON_ATTN`` where its kernels cannot run, with the reason (on the CPU:
+            only under ``TRITON_INTERPRET=1``, in float32 or float16).
     """
     device = torch.device(device)
     if name is None:

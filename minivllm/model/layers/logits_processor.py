@@ -14,11 +14,12 @@ class LogitsProcessor(nn.Module):
     """``hidden [N, hidden_size]`` -> float32 ``logits [N, vocab_size]`` through the LM head's weight.
 
     The model runner passes only the rows it samples from (the last scheduled token of each request), because the
-    ``hidden x vocab`` product is the single biggest matmul of a step. Under tensor parallelism each rank
-    multiplies by its vocabulary rows and an all-gather joins the slices (vLLM gathers the same way, to every rank
-    on the CPU; the padding columns past ``vocab_size`` are cut). In bfloat16 on the CPU (and float32 under
-    ``MINIVLLM_CPU_KERNELS_FP32=1``) the head's weight is packed once for oneDNN (``packed_linear``); the packed copy lives here because a tied head *is* the
-    embedding table, which is never multiplied anywhere else. No scaling or soft cap (Llama uses neither).
+    ``hidden x vocab`` product is the single biggest matmul of a step. Under tensor parallelism each rank multiplies
+    by its vocabulary rows and an all-gather joins the slices (vLLM gathers the same way, to every rank on the CPU;
+    the padding columns past ``vocab_size`` are cut). In bfloat16 on the CPU (and float32 under
+    ``MINIVLLM_CPU_KERNELS_FP32=1``) the head's weight is packed once for oneDNN (``packed_linear``); the packed
+    copy lives here because a tied head *is* the embedding table, which is never multiplied anywhere else. No
+    scaling or soft cap (Llama uses neither).
     """
 
     def __init__(self, vocab_size: int) -> None:
