@@ -25,7 +25,8 @@ import torch.nn as nn
 class CustomOp(nn.Module):
     """Base class: subclasses implement ``forward_native`` and may override ``forward_cpu`` / ``forward_cuda``
     (both default to ``forward_native``). A ``forward_cpu`` may still fall back to ``forward_native`` for inputs
-    its kernel does not take (a layout, float32, autograd); it never reads the environment."""
+    its kernel does not take (a layout, a dtype other than ``kernel_dtype``, autograd); it never reads the
+    environment."""
 
     def __init__(self) -> None:
         super().__init__()
