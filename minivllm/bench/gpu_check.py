@@ -62,7 +62,8 @@ DRY = dict(
     # run in float32, so that they exercise TRITON_ATTN too.
     perf_dtype="float32",
 )
-# The engine's attention backends this script runs (CPU_ATTN is bfloat16 on the CPU only).
+# The engine's attention backends this script runs (CPU_ATTN runs on the CPU only: bfloat16, and float32 under
+# MINIVLLM_CPU_KERNELS_FP32=1).
 BACKEND_CANDIDATES = ("TRITON_ATTN", "TORCH_SDPA", "REFERENCE")
 TOLERANCE = {"float32": 1e-4, "float16": 4e-3, "bfloat16": 3e-2}
 
