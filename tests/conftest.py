@@ -48,6 +48,27 @@ def one_thread():
     torch.set_num_threads(n)
 
 
+@pytest.fixture
+def count_kernel_calls(monkeypatch):
+    """``count(names)`` wraps each ``minivllm.custom_ops.<name>`` (for this test only) and returns a dict
+    ``{name: calls so far}`` that the wrappers keep up to date: which C++ kernels a step really ran."""
+    from minivllm import custom_ops
+
+    def count(names):
+        calls = {name: 0 for name in names}
+        for name in names:
+            kernel = getattr(custom_ops, name)
+
+            def counted(*a, _name=name, _kernel=kernel):
+                calls[_name] += 1
+                return _kernel(*a)
+
+            monkeypatch.setattr(custom_ops, name, counted)
+        return calls
+
+    return count
+
+
 def make_tiny_engine(traced=False, **kw):
     """A tiny random-weight engine (fp32); keyword arguments override the defaults below.
 

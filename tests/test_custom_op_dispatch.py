@@ -18,18 +18,6 @@ def _methods(model):
     return {type(m).__name__: m.forward_method_name for m in model.modules() if isinstance(m, CustomOp)}
 
 
-def _count_kernel_calls(monkeypatch):
-    calls = {name: 0 for name in KERNELS}
-    for name in KERNELS:
-        kernel = getattr(custom_ops, name)
-
-        def counted(*a, _name=name, _kernel=kernel):
-            calls[_name] += 1
-            return _kernel(*a)
-
-        monkeypatch.setattr(custom_ops, name, counted)
-    return calls
-
 
 def _run(eng, req_id):
     eng.add_request(req_id, {"prompt_token_ids": list(range(3, 30))}, SamplingParams(temperature=0, max_tokens=3))
@@ -40,9 +28,9 @@ def _run(eng, req_id):
 
 
 @needs_kernels
-def test_the_runner_chooses_once_and_two_engines_share_a_model(monkeypatch):
+def test_the_runner_chooses_once_and_two_engines_share_a_model(monkeypatch, count_kernel_calls):
     model = build_tiny_model(dtype=torch.bfloat16)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(KERNELS)
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
     with_kernels = LLMEngine(model, enable_prefix_caching=False)
     assert set(_methods(model).values()) == {"forward_cpu"}
@@ -71,12 +59,12 @@ def test_float32_never_dispatches_to_the_kernels(monkeypatch):
 
 
 @needs_kernels
-def test_forward_cpu_falls_back_for_inputs_its_kernel_does_not_take(monkeypatch):
+def test_forward_cpu_falls_back_for_inputs_its_kernel_does_not_take(monkeypatch, count_kernel_calls):
     """A layer dispatched to its kernel still computes float32 input (a shared RoPE, say) and autograd on the
     PyTorch formula, with the same result as ``forward_native``."""
     model = build_tiny_model(dtype=torch.bfloat16)
     model.set_custom_op_dispatch("cpu", True)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(KERNELS)
     norm = model.model.norm
     x = torch.randn(5, norm.weight.shape[0])
     with torch.no_grad():

@@ -19,25 +19,8 @@ KERNELS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding",
 
 
 def _packed(model):
-    out = []
-    for m in model.modules():
-        for p in (getattr(m, "_packed_weight", None), getattr(m, "_packed", None)):
-            if isinstance(p, PackedWeight):
-                out.append(p)
-    return out
+    return [m._packed_weight for m in model.modules() if isinstance(getattr(m, "_packed_weight", None), PackedWeight)]
 
-
-def _count_kernel_calls(monkeypatch):
-    calls = {name: 0 for name in KERNELS}
-    for name in KERNELS:
-        kernel = getattr(custom_ops, name)
-
-        def counted(*a, _name=name, _kernel=kernel):
-            calls[_name] += 1
-            return _kernel(*a)
-
-        monkeypatch.setattr(custom_ops, name, counted)
-    return calls
 
 
 def _run(monkeypatch, flag, prompts, max_tokens):
@@ -61,10 +44,10 @@ def _run(monkeypatch, flag, prompts, max_tokens):
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90)]  # 90 tokens at a budget of 64: two chunks
 
 
-def test_off_by_default_float32_stays_on_pytorch(monkeypatch):
+def test_off_by_default_float32_stays_on_pytorch(monkeypatch, count_kernel_calls):
     monkeypatch.delenv("MINIVLLM_CPU_KERNELS_FP32", raising=False)
     assert custom_ops.kernel_dtypes() == (torch.bfloat16,)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(KERNELS)
     eng, _, _ = _run(monkeypatch, "0", PROMPTS, 3)
     model = eng.model_runner.model
     assert {m.forward_method_name for m in model.modules() if isinstance(m, CustomOp)} == {"forward_native"}
@@ -73,8 +56,8 @@ def test_off_by_default_float32_stays_on_pytorch(monkeypatch):
     assert calls == {name: 0 for name in KERNELS}
 
 
-def test_the_switch_reaches_every_layer(monkeypatch):
-    calls = _count_kernel_calls(monkeypatch)
+def test_the_switch_reaches_every_layer(monkeypatch, count_kernel_calls):
+    calls = count_kernel_calls(KERNELS)
     eng, _, _ = _run(monkeypatch, "1", PROMPTS, 3)
     model = eng.model_runner.model
     ops = [m for m in model.modules() if isinstance(m, CustomOp)]
@@ -172,7 +155,7 @@ def test_packed_weight_follows_a_dtype_round_trip():
     torch.testing.assert_close(after, expected, atol=1e-5, rtol=1e-5)
 
 
-def test_a_float32_engine_leaves_a_bfloat16_model_its_rope_kernel(monkeypatch):
+def test_a_float32_engine_leaves_a_bfloat16_model_its_rope_kernel(monkeypatch, count_kernel_calls):
     """Equal models share one ``RotaryEmbedding`` (``get_rope``), whose dispatch is the last runner's. A float32
     engine built under the switch must not send a bfloat16 model's RoPE back to PyTorch (the kernel is
     bit-identical in both dtypes, so only the time is at stake)."""
@@ -180,7 +163,7 @@ def test_a_float32_engine_leaves_a_bfloat16_model_its_rope_kernel(monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
     bf16 = LLMEngine(build_tiny_model(dtype=torch.bfloat16), enable_prefix_caching=False)
     LLMEngine(build_tiny_model(dtype=torch.float32), enable_prefix_caching=False)
-    calls = _count_kernel_calls(monkeypatch)
+    calls = count_kernel_calls(KERNELS)
     bf16.add_request("0", {"prompt_token_ids": PROMPTS[1]}, SamplingParams(temperature=0, max_tokens=2))
     while bf16.has_unfinished_requests():
         bf16.step()
