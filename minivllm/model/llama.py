@@ -173,16 +173,14 @@ class LlamaForCausalLM(nn.Module):
         each model runner when it is built and before a step if another runner changed it, as for the attention
         backend."""
         self.custom_op_dispatch = (device_type, use_cpu_kernels)
-        # use_cpu_kernels is True for a float32 model only under MINIVLLM_CPU_KERNELS_FP32=1 (use_cpu_kernels):
-        # then its layers hand float32 to the kernels and its weights are packed for oneDNN (packed_linear).
         dtype = self.model.embed_tokens.weight.dtype
         float32 = device_type == "cpu" and use_cpu_kernels and dtype == torch.float32
         for module in self.modules():
             if isinstance(module, CustomOp):
                 module.set_dispatch(device_type, use_cpu_kernels, torch.float32 if float32 else torch.bfloat16)
-            for packed in (getattr(module, "_packed_weight", None), getattr(module, "_packed", None)):
-                if isinstance(packed, PackedWeight):
-                    packed.set_float32(float32)
+            packed = getattr(module, "_packed_weight", None)  # packed_linear.Linear and LogitsProcessor
+            if isinstance(packed, PackedWeight):
+                packed.set_float32(float32)
 
     def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
         """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it

@@ -25,10 +25,10 @@ class LogitsProcessor(nn.Module):
     def __init__(self, vocab_size: int) -> None:
         super().__init__()
         self.vocab_size = vocab_size
-        self._packed = PackedWeight()
+        self._packed_weight = PackedWeight()  # the attribute name packed_linear.Linear uses
 
     def forward(self, lm_head: VocabParallelEmbedding, hidden_states: torch.Tensor) -> torch.Tensor:
-        logits = self._packed.linear(hidden_states, lm_head.weight)
+        logits = self._packed_weight.linear(hidden_states, lm_head.weight)
         if lm_head.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)[:, : self.vocab_size]
         return logits.float()
