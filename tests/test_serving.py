@@ -29,7 +29,7 @@ import uvicorn  # noqa: E402
 
 from minivllm import LLM, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
-from minivllm.entrypoints.openai.api_server import build_app  # noqa: E402
+from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
@@ -37,11 +37,10 @@ PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [100, 200, 300, 400, 42, 17, 5, 99, 3, 
 
 
 class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1 in a background thread."""
+    """uvicorn serving ``app`` on 127.0.0.1 in a background thread, on the server's own listening socket."""
 
     def __init__(self, app) -> None:
-        sock = socket.socket()
-        sock.bind(("127.0.0.1", 0))
+        sock = create_server_socket("127.0.0.1", 0)
         self.port = sock.getsockname()[1]
         self.base = f"http://127.0.0.1:{self.port}"
         self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))

@@ -174,6 +174,21 @@ class _Server(uvicorn.Server):
         self._captured_signals.clear()
 
 
+def create_server_socket(host: str, port: int) -> socket.socket:
+    """The listening socket (vLLM 0.32: ``create_server_socket`` in ``vllm/entrypoints/launchers/launcher.py``).
+
+    Made with ``IPPROTO_TCP`` as its protocol: asyncio sets ``TCP_NODELAY`` on an accepted socket only when its
+    protocol says TCP, and an accepted socket inherits the listening one's. Without it Nagle's algorithm holds a
+    response's last small segment until the client's delayed ACK, about 40 ms on every keep-alive request after
+    the first. vLLM makes its socket with protocol 0 but runs on uvloop, which sets ``TCP_NODELAY`` itself.
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    return sock
+
+
 def run_server(engine_client: AsyncLLM, served_model_name: str, host: str, port: int,
                api_key: Optional[str] = None) -> int:
     """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown (every request in flight reported aborted)."""
@@ -181,9 +196,7 @@ def run_server(engine_client: AsyncLLM, served_model_name: str, host: str, port:
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
                             access_log=False)
     server = _Server(config, engine_client)
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
+    sock = create_server_socket(host, port)
     try:
         server.run(sockets=[sock])
     finally:
