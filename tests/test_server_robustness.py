@@ -7,6 +7,7 @@ is bounded in time and every loop in count.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
@@ -68,3 +69,29 @@ def test_keep_alive_requests_are_not_delayed_by_nagle(tiny):
             times.append(time.perf_counter() - t0)
     times.sort()
     assert times[len(times) // 2] < 0.005, times
+
+
+def test_with_cancellation_answers_499_when_the_client_left():
+    # The work was cancelled but not yet finished when checked: work.result() raised InvalidStateError (a
+    # traceback per disconnect) instead of answering 499.
+    from minivllm.entrypoints.openai.api_server import with_cancellation
+
+    class Gone:
+        async def receive(self):
+            return {"type": "http.disconnect"}
+
+    cleaned = []
+
+    async def work():
+        try:
+            await asyncio.sleep(30)
+        finally:
+            cleaned.append(True)
+
+    async def main():
+        resp = await asyncio.wait_for(with_cancellation(Gone(), work()), 10)
+        await asyncio.sleep(0)
+        return resp
+
+    resp = asyncio.run(main())
+    assert resp.status_code == 499 and cleaned == [True]

@@ -68,10 +68,12 @@ class AuthenticationMiddleware:
 
 
 async def with_cancellation(raw_request: Request, coro: Awaitable[Any]) -> Any:
-    """Run a handler's work, cancelling it if the client disconnects first (vLLM's ``with_cancellation``).
+    """Run a handler's work, cancelling it if the client disconnects first (vLLM 0.32: ``with_cancellation`` in
+    ``vllm/entrypoints/serve/utils/api_utils.py``).
 
     A whole (non-streaming) response is built before anything is sent, so a client that gave up would otherwise
-    leave its request running to the end; cancelling the work closes the request's stream, which aborts it.
+    leave its request running to the end; cancelling the work closes the request's stream, which aborts it. The
+    answer to a client that left is a 499 (nginx's "client closed request": nobody reads it); vLLM returns None.
     """
     async def disconnected() -> None:
         while (await raw_request.receive())["type"] != "http.disconnect":
@@ -80,14 +82,19 @@ async def with_cancellation(raw_request: Request, coro: Awaitable[Any]) -> Any:
     work = asyncio.ensure_future(coro)
     watch = asyncio.ensure_future(disconnected())
     try:
-        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    except BaseException:  # this handler itself was cancelled (the server is stopping)
+        work.cancel()
+        raise
     finally:
         watch.cancel()
-        if not work.done():
-            work.cancel()
-    if work.cancelled():
-        return Response(status_code=499)  # nginx's "client closed request": nobody reads it
-    return work.result()
+    if work in done:
+        return work.result()
+    # cancel() only asks: the task is not cancelled until it runs again, so wait for it (its finally blocks
+    # abort the request) instead of reading a result it does not have yet.
+    work.cancel()
+    await asyncio.wait({work})
+    return Response(status_code=499)
 
 
 def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NAME,
