@@ -41,6 +41,18 @@ install_browser() {
   fi
 }
 
+install_graphviz() {
+  # The diagrams in images/ are laid out by Debian's Graphviz (dot), driven by the graphviz Python package.
+  if command -v dot >/dev/null 2>&1; then return 0; fi
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    echo "==> installing Debian's graphviz for the diagrams and their layout test"
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq graphviz >/dev/null) \
+      || echo "!! could not install graphviz: the diagram tests will be skipped"
+  else
+    echo "!! dot not found and not root: the diagram tests will be skipped (sudo apt-get install graphviz)"
+  fi
+}
+
 install_node() {
   # reveal.js, RequireJS and the Jupyter widget manager for the offline slides, versions pinned in
   # package-lock.json; reused while the lock file is unchanged.
@@ -81,6 +93,7 @@ case "${1:-}" in
   test)
     install
     install_browser
+    install_graphviz
     install_node
     shift
     echo "==> ruff (unused imports, undefined names) and mypy (core, scheduler, engine): see pyproject.toml"
@@ -104,6 +117,7 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m minivllm bench "$@"
     ;;
   figures)
+    install_graphviz
     exec "$VENV/bin/python" -m minivllm figures
     ;;
   gpu-check)

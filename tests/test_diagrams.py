@@ -19,20 +19,47 @@ from minivllm.course import diagrams, figures
 ROOT = Path(__file__).resolve().parents[1]
 SCHEDULER = (ROOT / "minivllm/core/sched/scheduler.py").read_text().splitlines()
 DIAGRAMS = ["schedule_flowchart.png", "request_state_machine.png", "connector_calls.png"]
+needs_dot = pytest.mark.skipif(not diagrams.dot_available(),
+                               reason=f"Graphviz's dot is not installed: {diagrams.DOT_INSTALL} (as root)")
 
 
 def test_flowchart_boxes_point_at_their_code():
     steps = {s.key: s for s in diagrams.schedule_flowchart_steps()}
     expect = {"running": "while i < len(self.running)", "allocate": "allocate_slots(request, n)",
-              "preempt": "_preempt_request(victim", "gate": "if not preempted_reqs:",
-              "waiting": "while self.waiting", "match": "get_num_new_matched_tokens(",
-              "after_alloc": "update_state_after_alloc(", "output": "SchedulerOutput(",
+              "preempt": "_preempt_request(victim", "scheduled": "running_scheduled.append(request)",
+              "gate": "if not preempted_reqs:", "waiting": "while self.waiting",
+              "lookup": "if did_prefix_cache_lookup:", "prefix": "get_computed_blocks(",
+              "match": "get_num_new_matched_tokens(", "full_isl": "full_sequence_must_fit=cfg.scheduler_reserve_full_isl",
+              "admit": "allocate_slots(", "after_alloc": "update_state_after_alloc(",
+              "was_preempted": "if request.status == RequestStatus.PREEMPTED:",
+              "resumed": "resumed_reqs.append(request)", "new": "new_reqs.append(request)",
+              "admitted": "token_budget -= num_new_tokens", "output": "SchedulerOutput(",
               "meta": "build_connector_meta(output)", "advance": "_update_after_schedule(output)"}
+    assert set(expect) == set(steps)
     for key, code in expect.items():
         assert code in SCHEDULER[steps[key].line - 1], (key, steps[key].line, SCHEDULER[steps[key].line - 1])
     order = [s.line for s in diagrams.schedule_flowchart_steps()]
     assert steps["gate"].line > steps["preempt"].line and steps["gate"].line < steps["waiting"].line
     assert order[-3:] == sorted(order[-3:])  # output, connector metadata, then the counters advance
+    # the whole-prompt check is an argument of the waiting loop's allocate_slots call, not of the running loop's
+    assert steps["allocate"].line < steps["gate"].line < steps["admit"].line < steps["full_isl"].line
+    assert steps["admit"].line < steps["was_preempted"].line < steps["resumed"].line < steps["admitted"].line
+    # every box has arrows, and every arrow joins two boxes
+    keys = set(steps)
+    ends = {k for t, h, _, _ in diagrams._FLOW_EDGES for k in (t, h)}
+    assert ends == keys
+    assert {k for _, ks in diagrams._FLOW_PARTS for k in ks} == keys - {"gate"}
+
+
+def test_flowchart_fails_loudly_without_the_whole_prompt_check(monkeypatch):
+    from minivllm.core.sched.scheduler import Scheduler
+
+    src = inspect.getsource(Scheduler.schedule)
+    assert "full_sequence_must_fit=cfg.scheduler_reserve_full_isl" in src
+    src = src.replace("full_sequence_must_fit=cfg.scheduler_reserve_full_isl", "full_sequence_must_fit=False")
+    monkeypatch.setattr(inspect, "getsourcelines", lambda fn: (src.splitlines(True), 111))
+    with pytest.raises(LookupError, match="scheduler_reserve_full_isl"):
+        diagrams.schedule_flowchart_steps()
 
 
 def test_flowchart_fails_loudly_without_the_gate(monkeypatch):
@@ -61,8 +88,10 @@ def test_state_machine_states_come_from_the_enum(monkeypatch, tmp_path):
     monkeypatch.setattr(request, "RequestStatus", extended)
     states, _ = diagrams.request_state_machine()
     assert "WAITING_FOR_GRAMMAR" in states
-    diagrams.request_state_machine_figure(tmp_path / "s.png")
-    assert (tmp_path / "s.png").stat().st_size > 10_000
+    if diagrams.dot_available():
+        assert "WAITING_FOR_GRAMMAR" in diagrams.request_state_machine_graph().source
+        diagrams.request_state_machine_figure(tmp_path / "s.png")
+        assert (tmp_path / "s.png").stat().st_size > 10_000
 
 
 def test_connector_calls_cover_the_base_class():
@@ -82,6 +111,71 @@ def test_connector_calls_cover_the_base_class():
     assert worker.index("wait_for_save") < worker.index("clear_connector_metadata")
 
 
+@needs_dot
+@pytest.mark.parametrize("name", DIAGRAMS)
+def test_diagram_layout_has_no_overflow_or_overlap(name):
+    # Graphviz's own layout (dot -Tjson): each text line's position and width, each shape's outline
+    lay = diagrams.layout(diagrams.GRAPHS[name]())
+    assert diagrams.layout_problems(lay) == []
+    texts = [t for obj in lay["objects"] for t, _ in diagrams._texts(obj.get("_ldraw_"))]
+    texts += [t for e in lay.get("edges", []) for t, _ in diagrams._texts(e.get("_ldraw_"))]
+    assert len(texts) > 10  # the check saw the labels (a layout without text would pass vacuously)
+
+
+@needs_dot
+def test_flowchart_layout_carries_the_new_paths():
+    lay = diagrams.layout(diagrams.schedule_flowchart_graph())
+    text = "\n".join(t for obj in lay["objects"] + lay.get("edges", []) for t, _ in diagrams._texts(obj.get("_ldraw_")))
+    assert "cfg.scheduler_reserve_full_isl?" in text and "resumed_reqs.append(request)" in text
+    assert "a later step: resumed from" in text  # the preempted request's way back to the waiting loop
+    for step in diagrams.schedule_flowchart_steps():
+        assert f"[scheduler.py L{step.line}]" in text
+
+
+@needs_dot
+def test_layout_check_catches_a_too_long_label():
+    # the flowchart with one box held at a fixed size and given a label far too long for it: Graphviz lays it
+    # out anyway (text past the diamond's sides), and the check says so
+    g = diagrams.schedule_flowchart_graph()
+    g.node("allocate", "kv_cache_manager.allocate_slots(request, n) blocks free? " * 3, fixedsize="true",
+           width="3", height="0.8")
+    problems = diagrams.layout_problems(diagrams.layout(g))
+    assert any(p.startswith("node allocate:") and "overflows its box" in p for p in problems), problems
+    with pytest.raises(ValueError, match="overflows its box"):
+        diagrams.render(g, Path("/nonexistent/never-written.png"))
+    # inside the bounding box but outside the diamond's sides is an overflow too: the line (128 pt wide) fits a
+    # 144 x 43 pt box, not the diamond drawn in that box
+    g = diagrams._digraph("t")
+    g.node("d", "a label as wide as the box", shape="diamond", fixedsize="true", width="2", height="0.6")
+    assert any("overflows" in p for p in diagrams.layout_problems(diagrams.layout(g)))
+    g = diagrams._digraph("t")
+    g.node("d", "a label as wide as the box", shape="box", fixedsize="true", width="2", height="0.6")
+    assert diagrams.layout_problems(diagrams.layout(g)) == []
+
+
+@needs_dot
+def test_layout_check_catches_an_edge_label_on_a_node():
+    lay = diagrams.layout(diagrams.schedule_flowchart_graph())
+    assert diagrams.layout_problems(lay) == []
+    node = next(o for o in lay["objects"] if o.get("name") == "gate")
+    x, y = (float(v) for v in node["pos"].split(","))
+    edge = next(e for e in lay["edges"] if e.get("label") == "no")
+    for op in edge["_ldraw_"]:  # move the "no" label onto the gate's text, as the old flowchart had it on "blocks"
+        if op["op"] == "T":
+            op["pt"] = [x, y]
+    problems = diagrams.layout_problems(lay)
+    assert "edge label 'no' lies on node gate" in problems, problems
+
+
+def test_render_without_dot_names_the_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(diagrams.shutil, "which", lambda name: None)
+    assert not diagrams.dot_available()
+    with pytest.raises(RuntimeError, match="apt-get install -y -qq graphviz"):
+        diagrams.schedule_flowchart(tmp_path / "f.png")
+    assert not (tmp_path / "f.png").exists()
+
+
+@needs_dot
 def test_figures_command_draws_the_diagrams(tmp_path):
     assert figures.main([*sum((["--only", n] for n in DIAGRAMS), []), "--out", str(tmp_path)]) == 0
     for n in DIAGRAMS:

@@ -44,3 +44,29 @@ def test_preemption_run_is_the_documented_one():
     trace = figures.preemption_run().trace
     assert trace.preemptions() == [(4, "3")]
     assert len(trace) == 47
+
+
+def test_frame_budget_bar_shows_a_few_decode_tokens_of_a_large_budget():
+    # notebook 06's preemption frame: 2 decode tokens of a 2048-token budget were drawn 0.006 units wide (an
+    # empty-looking bar); each segment now has a minimum width, and the few tokens are named after them
+    import matplotlib.pyplot as plt
+
+    from minivllm import SamplingParams
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.viz import draw_frame
+    from minivllm.course.viz import frame_image
+
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=9, enable_prefix_caching=False)
+    for i, rid in enumerate("ABC"):
+        eng.add_request(rid, [10 + 7 * i + j for j in range(8)], SamplingParams(temperature=0, max_tokens=20))
+    eng.run_to_completion()
+    k = eng.trace.preemptions()[0][0]
+    s = eng.trace[k]
+    assert 0 < s.total_scheduled < s.token_budget / 100
+    ax = draw_frame(eng.trace, k)
+    segs = {p.get_gid(): p for p in ax.patches if (p.get_gid() or "").startswith("budget:")}
+    assert set(segs) == {f"budget:{r}" for r, n in s.num_scheduled_tokens.items() if n > 0}
+    assert all(p.get_width() >= frame_image._MIN_SEG_W for p in segs.values())
+    names = ", ".join(f"{r}: {s.kinds[r]} +{n}" for r, n in s.num_scheduled_tokens.items() if n > 0)
+    assert names in [t.get_text() for t in ax.texts]
+    plt.close(ax.figure)

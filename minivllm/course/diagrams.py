@@ -1,31 +1,43 @@
 """Diagrams of the engine's code, derived from the engine itself: ``schedule()`` as a flowchart, the request state
-machine, and the KV connector's calls. Registered with ``python -m minivllm figures``; matplotlib only.
+machine, and the KV connector's calls. Registered with ``python -m minivllm figures``; laid out by Graphviz
+(the ``graphviz`` Python package drives Debian's ``dot``: ``apt-get install graphviz``), so that no box, arrow or
+label is placed by hand.
 
 Nothing is drawn from a hand-kept list alone:
 
 * ``schedule_flowchart_steps`` finds each box of the flowchart in ``Scheduler.schedule``'s syntax tree (the two
-  loops, ``allocate_slots``, ``_preempt_request``, the ``if not preempted_reqs`` gate, the connector calls, the
-  ``SchedulerOutput``) and labels it with its line in ``minivllm/core/sched/scheduler.py``; a box whose code is
-  gone raises ``LookupError``.
+  loops, ``allocate_slots``, ``_preempt_request``, the ``if not preempted_reqs`` gate, the prefix-cache lookup,
+  the connector calls, the whole-prompt admission check ``full_sequence_must_fit=scheduler_reserve_full_isl``,
+  the resumed-or-new split, the ``SchedulerOutput``) and labels it with its line in
+  ``minivllm/core/sched/scheduler.py``; a box whose code is gone raises ``LookupError``.
 * ``request_state_machine`` takes the states from ``RequestStatus`` (a new member appears as a new node) and
   checks every transition against the assignments ``*.status = RequestStatus.X`` in the method that makes it; an
   assignment in the scheduler that no transition explains raises ``LookupError``.
 * ``connector_calls`` takes the methods from ``KVConnectorBase`` (scheduler side and worker side as its source
   groups them) and finds where the engine calls each one.
+
+Each figure is a ``graphviz.Digraph`` (``schedule_flowchart_graph`` and the others in ``GRAPHS``). ``render``
+writes its PNG only after ``layout_problems`` found, in Graphviz's own layout (``dot -Tjson``: every shape's
+outline and every text line's position and width), no text outside its box and no edge label on a node.
 """
 
 from __future__ import annotations
 
 import ast
 import inspect
+import json
+import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Tuple
 
-from minivllm.course.figures import _save, register
+from minivllm.course.figures import register
 
 ROOT = Path(__file__).resolve().parents[2]
+
+DOT_INSTALL = "apt-get update -qq && apt-get install -y -qq graphviz"
+"""The Debian command that installs Graphviz's ``dot`` (the ``graphviz`` Python package only drives it)."""
 
 
 def _tree(fn: Callable) -> Tuple[ast.AST, int]:
@@ -34,11 +46,15 @@ def _tree(fn: Callable) -> Tuple[ast.AST, int]:
     return ast.parse(textwrap.dedent("".join(lines))), first - 1
 
 
-def _calls(tree: ast.AST, name: str) -> Iterator[ast.Call]:
+def _calls(tree: ast.AST, name: str, on: str = "") -> Iterator[ast.Call]:
+    """Calls of ``name`` (a method or a function) in ``tree``; with ``on``, only ``on.name(...)``."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
-            if (isinstance(f, ast.Attribute) and f.attr == name) or (isinstance(f, ast.Name) and f.id == name):
+            if isinstance(f, ast.Attribute) and f.attr == name:
+                if not on or (isinstance(f.value, ast.Name) and f.value.id == on):
+                    yield node
+            elif isinstance(f, ast.Name) and f.id == name and not on:
                 yield node
 
 
@@ -55,7 +71,8 @@ class FlowStep:
 
 
 def schedule_flowchart_steps() -> List[FlowStep]:
-    """The boxes of the ``schedule()`` flowchart, in order, each located in ``Scheduler.schedule``.
+    """The boxes of the ``schedule()`` flowchart, in order (the running loop's four, the gate, then the rest),
+    each located in ``Scheduler.schedule``.
 
     Raises:
         LookupError: when a box's code is not found (the scheduler changed: update the flowchart).
@@ -71,39 +88,76 @@ def schedule_flowchart_steps() -> List[FlowStep]:
                 return w
         raise LookupError(f"Scheduler.schedule: no `while` loop over self.{attr}")
 
-    def first_call(node: ast.AST, name: str) -> ast.Call:
-        found = sorted(_calls(node, name), key=lambda c: c.lineno)
+    def first_call(node: ast.AST, name: str, on: str = "") -> ast.Call:
+        found = sorted(_calls(node, name, on), key=lambda c: c.lineno)
         if not found:
-            raise LookupError(f"Scheduler.schedule: no call of {name}() where the flowchart expects one")
+            what = f"{on}.{name}" if on else name
+            raise LookupError(f"Scheduler.schedule: no call of {what}() where the flowchart expects one")
         return found[0]
 
+    def first_if(node: ast.AST, test: Callable[[ast.expr], bool], what: str) -> ast.If:
+        found = sorted((n for n in ast.walk(node) if isinstance(n, ast.If) and test(n.test)), key=lambda n: n.lineno)
+        if not found:
+            raise LookupError(f"Scheduler.schedule: no `if {what}:` where the flowchart expects one")
+        return found[0]
+
+    def is_name(e: ast.expr, name: str) -> bool:
+        return isinstance(e, ast.Name) and e.id == name
+
     running, waiting = loop_over("running"), loop_over("waiting")
-    gate = next((n for n in ast.walk(tree) if isinstance(n, ast.If) and isinstance(n.test, ast.UnaryOp)
-                 and isinstance(n.test.op, ast.Not) and isinstance(n.test.operand, ast.Name)
-                 and n.test.operand.id == "preempted_reqs"), None)
-    if gate is None:
-        raise LookupError("Scheduler.schedule: no `if not preempted_reqs:` gate before the waiting loop")
+    gate = first_if(tree, lambda t: isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not)
+                    and is_name(t.operand, "preempted_reqs"), "not preempted_reqs")
+    lookup = first_if(waiting, lambda t: is_name(t, "did_prefix_cache_lookup"), "did_prefix_cache_lookup")
+    was_preempted = first_if(
+        waiting, lambda t: isinstance(t, ast.Compare) and any(isinstance(c, ast.Attribute) and c.attr == "PREEMPTED"
+                                                             for c in t.comparators),
+        "request.status == RequestStatus.PREEMPTED")
+    admit = first_call(waiting, "allocate_slots")
+    full_isl = next((k for k in admit.keywords if k.arg == "full_sequence_must_fit"
+                     and any(isinstance(n, ast.Attribute) and n.attr == "scheduler_reserve_full_isl"
+                             for n in ast.walk(k.value))), None)
+    if full_isl is None:
+        raise LookupError("Scheduler.schedule: the waiting loop's allocate_slots() no longer passes "
+                          "full_sequence_must_fit=cfg.scheduler_reserve_full_isl")
+    budget = sorted((n for n in ast.walk(waiting) if isinstance(n, ast.AugAssign) and is_name(n.target, "token_budget")
+                     and isinstance(n.op, ast.Sub)), key=lambda n: n.lineno)
+    if not budget:
+        raise LookupError("Scheduler.schedule: the waiting loop no longer subtracts from token_budget")
     output = first_call(tree, "SchedulerOutput")
     steps = [
-        FlowStep("running", "running loop: each running request in order\n"
-                 "n = min(tokens left, long_prefill_token_threshold, budget)", running.lineno + off),
+        FlowStep("running", "running loop: each running request in order,\nwhile budget is left; n = min(tokens "
+                 "left,\nlong_prefill_token_threshold, budget)", running.lineno + off),
         FlowStep("allocate", "kv_cache_manager.allocate_slots(request, n)\nblocks free?",
                  first_call(running, "allocate_slots").lineno + off, "decision"),
-        FlowStep("preempt", "_pick_victim() → _preempt_request(victim)\n"
-                 "blocks freed, num_computed_tokens = 0, back to waiting;\npreempted_reqs.append(victim); retry",
+        FlowStep("preempt", "victim = _pick_victim(); _preempt_request(victim)\nits blocks freed, "
+                 "num_computed_tokens = 0,\nstatus PREEMPTED, front of the waiting queue",
                  first_call(running, "_preempt_request").lineno + off),
-        FlowStep("scheduled", "schedule n tokens, budget -= n", first_call(running, "append").lineno + off),
-        FlowStep("gate", "if not preempted_reqs:\nanyone preempted in this step?", gate.lineno + off, "decision"),
-        FlowStep("waiting", "waiting loop: queue head, while budget and max_num_seqs allow\n"
-                 "get_computed_blocks (prefix cache)", waiting.lineno + off),
-        FlowStep("match", "connector.get_num_new_matched_tokens(request, n_local)",
+        FlowStep("scheduled", "running_scheduled.append(request)\nschedule n tokens, budget -= n",
+                 first_call(running, "append", on="running_scheduled").lineno + off),
+        FlowStep("gate", "if not preempted_reqs:\nnobody preempted in this step?", gate.lineno + off, "decision"),
+        FlowStep("waiting", "waiting loop: the queue head (a new or a\npreempted request), while budget "
+                 "and\nmax_num_seqs allow", waiting.lineno + off),
+        FlowStep("lookup", "num_computed_tokens == 0?\n(new, or preempted: reset to 0)", lookup.lineno + off,
+                 "decision"),
+        FlowStep("prefix", "kv_cache_manager.get_computed_blocks(request)\nprefix-cache hits: its full blocks "
+                 "still cached", first_call(waiting, "get_computed_blocks").lineno + off),
+        FlowStep("match", "connector.get_num_new_matched_tokens(\nrequest, n_local): tokens it can load",
                  first_call(waiting, "get_num_new_matched_tokens").lineno + off),
-        FlowStep("admit", "allocate_slots(request, n, ...)\nblocks free?",
-                 first_call(waiting, "allocate_slots").lineno + off, "decision"),
-        FlowStep("after_alloc", "connector.update_state_after_alloc(request, blocks, n_ext)\n"
-                 "pop from waiting, append to running", first_call(waiting, "update_state_after_alloc").lineno + off),
-        FlowStep("output", "SchedulerOutput(new, cached, num_scheduled_tokens,\npreempted_req_ids, finished_req_ids)",
-                 output.lineno + off, "io"),
+        FlowStep("full_isl", "full_sequence_must_fit =\ncfg.scheduler_reserve_full_isl?", full_isl.value.lineno + off,
+                 "decision"),
+        FlowStep("admit", "kv_cache_manager.allocate_slots(\nrequest, n, ...)\nblocks free?", admit.lineno + off,
+                 "decision"),
+        FlowStep("after_alloc", "connector.update_state_after_alloc(...)\npop from waiting, append to running\n"
+                 "(an async load: WAITING_FOR_REMOTE_KVS, next)",
+                 first_call(waiting, "update_state_after_alloc").lineno + off),
+        FlowStep("was_preempted", "request.status ==\nPREEMPTED?", was_preempted.lineno + off, "decision"),
+        FlowStep("resumed", "resumed_reqs.append(request)\nresumed: all its tokens prefilled again",
+                 first_call(waiting, "append", on="resumed_reqs").lineno + off),
+        FlowStep("new", "new_reqs.append(request)", first_call(waiting, "append", on="new_reqs").lineno + off),
+        FlowStep("admitted", "status = RUNNING, schedule n tokens,\nbudget -= n; then the next waiting request",
+                 budget[-1].lineno + off),
+        FlowStep("output", "SchedulerOutput(new, cached (resumed_req_ids),\nnum_scheduled_tokens, "
+                 "preempted_req_ids,\nfinished_req_ids)", output.lineno + off, "io"),
         FlowStep("meta", "connector.build_connector_meta(output)\nonce per call, even with nothing scheduled",
                  first_call(tree, "build_connector_meta").lineno + off, "io"),
         FlowStep("advance", "_update_after_schedule(output)\nnum_computed_tokens += scheduled",
@@ -117,93 +171,285 @@ def schedule_flowchart_steps() -> List[FlowStep]:
     return steps
 
 
-def _box(ax, x, y, text, kind, w=4.6, h=0.9, fc=None):
-    from matplotlib.patches import FancyBboxPatch, Polygon
+# (tail, head, label, extra attributes): the flowchart's arrows between the boxes above
+_FLOW_EDGES: List[Tuple[str, str, str, Dict[str, str]]] = [
+    ("running", "allocate", "", {}),
+    ("allocate", "scheduled", "yes", {}),
+    ("allocate", "preempt", "no", {}),
+    ("preempt", "allocate", "retry, until it fits or\nthe request preempted itself", {}),
+    ("scheduled", "running", "next running request", {}),
+    ("running", "gate", "no running request left,\nor budget spent", {}),
+    ("preempt", "gate", "it preempted itself:\nstop the running loop", {}),
+    ("gate", "waiting", "yes", {}),
+    ("gate", "output", "no: a preemption in\nthis step, no admissions", {}),
+    ("waiting", "lookup", "", {}),
+    ("waiting", "output", "queue empty, budget or\nmax_num_seqs spent", {}),
+    ("lookup", "prefix", "yes", {}),
+    ("lookup", "full_isl", "no: its KV came from an\nasync connector load", {}),
+    ("prefix", "match", "", {}),
+    ("match", "full_isl", "", {}),
+    ("full_isl", "admit", "True (default): blocks for the\nwhole sequence, prompt included", {}),
+    ("full_isl", "admit", "False: blocks for\nthis chunk only", {}),
+    ("admit", "after_alloc", "yes", {}),
+    ("admit", "output", "no: stop (waiting requests\nnever preempt; nothing overtakes)", {}),
+    ("after_alloc", "was_preempted", "", {}),
+    ("was_preempted", "resumed", "yes", {}),
+    ("was_preempted", "new", "no", {}),
+    ("resumed", "admitted", "", {}),
+    ("new", "admitted", "", {}),
+    ("admitted", "waiting", "", {}),  # its box says "then the next waiting request" (a label here lies across the frame)
+    ("output", "meta", "", {}),
+    ("meta", "advance", "", {}),
+    ("preempt", "waiting", "a later step: resumed from\nthe front of the waiting queue",
+     {"style": "dashed", "color": "#a05050", "fontcolor": "#a05050", "constraint": "false"}),
+]
 
-    colours = {"process": "#e8eef7", "decision": "#fff1d6", "io": "#e6f4ea", "state": "#e8eef7",
-               "final": "#f3e3e3", "orphan": "#eeeeee"}
-    fc = fc or colours[kind]
+# which boxes each part of schedule() holds (a Graphviz cluster each; the others, the gate, lie between them)
+_FLOW_PARTS = [
+    ("1. running requests", ["running", "allocate", "preempt", "scheduled"]),
+    ("2. waiting requests, only in a step that preempted nobody",
+     ["waiting", "lookup", "prefix", "match", "full_isl", "admit", "after_alloc", "was_preempted", "resumed", "new",
+      "admitted"]),
+    ("3. the output", ["output", "meta", "advance"]),
+]
+
+
+# ---- Graphviz: style, layout check, rendering --------------------------------------------------------------------
+FONT = "DejaVu Sans"
+_FILL = {"process": "#e8eef7", "decision": "#fff1d6", "io": "#e6f4ea", "state": "#e8eef7", "final": "#f3e3e3",
+         "orphan": "#eeeeee"}
+_DPI = 100
+
+
+def _digraph(title: str, **graph_attr: str):
+    """A ``graphviz.Digraph`` in the course's style, titled ``title`` at the top."""
+    import graphviz
+
+    g = graphviz.Digraph(graph_attr={"label": title, "labelloc": "t", "fontname": FONT, "fontsize": "13",
+                                     "dpi": str(_DPI), "pad": "0.2", "nodesep": "0.35", "ranksep": "0.45",
+                                     "newrank": "true", **graph_attr},
+                         node_attr={"fontname": FONT, "fontsize": "10", "style": "filled", "color": "#555555",
+                                    "penwidth": "1.2", "margin": "0.15,0.07"},
+                         edge_attr={"fontname": FONT, "fontsize": "9", "color": "#333333", "arrowsize": "0.7"})
+    return g
+
+
+def _node(g, name: str, label: str, kind: str) -> None:
     if kind == "decision":
-        ax.add_patch(Polygon([(x - w / 2, y), (x, y + h / 2 + 0.15), (x + w / 2, y), (x, y - h / 2 - 0.15)],
-                             closed=True, fc=fc, ec="#555555", lw=1.2))
+        g.node(name, label, shape="diamond", fillcolor=_FILL[kind], margin="0.02,0.02")
     else:
-        ax.add_patch(FancyBboxPatch((x - w / 2, y - h / 2), w, h, boxstyle="round,pad=0.02,rounding_size=0.15",
-                                    fc=fc, ec="#555555", lw=1.2))
-    ax.text(x, y, text, ha="center", va="center", fontsize=8.2, family="DejaVu Sans")
+        g.node(name, label, shape="box", style="rounded,filled", fillcolor=_FILL[kind])
 
 
-def _arrow(ax, p, q, label="", rad=0.0, color="#333333", label_pos=0.5, offset=(0.08, 0.0)):
-    from matplotlib.patches import FancyArrowPatch
+def dot_available() -> bool:
+    """Whether Graphviz's ``dot`` is on ``PATH`` (the ``graphviz`` Python package calls it)."""
+    return shutil.which("dot") is not None
 
-    ax.add_patch(FancyArrowPatch(p, q, arrowstyle="-|>", mutation_scale=12, lw=1.1, color=color,
-                                 connectionstyle=f"arc3,rad={rad}", shrinkA=2, shrinkB=2))
-    if label:
-        x = p[0] + (q[0] - p[0]) * label_pos + offset[0]
-        y = p[1] + (q[1] - p[1]) * label_pos + offset[1]
-        ax.text(x, y, label, fontsize=7.5, color=color, ha="left", va="center",
-                bbox=dict(fc="white", ec="none", pad=0.5))
+
+def _pipe(graph, fmt: str) -> bytes:
+    if not dot_available():
+        raise RuntimeError(f"Graphviz's dot is not installed; the diagrams need it: {DOT_INSTALL} (as root)")
+    return graph.pipe(format=fmt)
+
+
+def layout(graph) -> Dict[str, Any]:
+    """Graphviz's own layout of ``graph``: ``dot -Tjson`` parsed (points, y up; every shape's outline in
+    ``_draw_``, every text line in ``_ldraw_``)."""
+    return json.loads(_pipe(graph, "json"))
+
+
+Box = Tuple[float, float, float, float]  # x0, y0, x1, y1
+
+
+def _texts(ops: List[Dict[str, Any]]) -> List[Tuple[str, Box]]:
+    """The text lines of an ``_ldraw_`` list, each with its box: the line's width from Graphviz, its height the
+    font's (ascent 0.8, descent 0.25 of the size, around the baseline ``pt``)."""
+    out, size = [], 14.0
+    for op in ops or []:
+        if op["op"] == "F":
+            size = float(op["size"])
+        elif op["op"] == "T":
+            (x, y), w = op["pt"], float(op["width"])
+            x0 = {"l": x, "r": x - w}.get(op.get("align", "c"), x - w / 2)
+            out.append((op["text"], (x0, y - 0.25 * size, x0 + w, y + 0.8 * size)))
+    return out
+
+
+def _outline(ops: List[Dict[str, Any]]):
+    """The shape drawn by a node's ``_draw_``: ``("polygon", points)``, ``("ellipse", (cx, cy, rx, ry))`` or
+    ``("box", (x0, y0, x1, y1))`` (a rounded box's Bézier outline: its control points' hull); ``None`` if none."""
+    for op in ops or []:
+        if op["op"] in ("p", "P"):
+            return "polygon", [tuple(p) for p in op["points"]]
+        if op["op"] in ("e", "E"):
+            (cx, cy), (rx, ry) = op["rect"][:2], op["rect"][2:]
+            return "ellipse", (cx, cy, rx, ry)
+        if op["op"] in ("b", "B"):
+            xs, ys = [p[0] for p in op["points"]], [p[1] for p in op["points"]]
+            return "box", (min(xs), min(ys), max(xs), max(ys))
+    return None
+
+
+def _inside(shape, x: float, y: float, tol: float = 0.5) -> bool:
+    kind, g = shape
+    if kind == "box":
+        return g[0] - tol <= x <= g[2] + tol and g[1] - tol <= y <= g[3] + tol
+    if kind == "ellipse":
+        cx, cy, rx, ry = g
+        return ((x - cx) / (rx + tol)) ** 2 + ((y - cy) / (ry + tol)) ** 2 <= 1.0
+    # a convex polygon (Graphviz's box, diamond, ...): the point is on the inner side of every edge
+    sign = 0.0
+    for (x0, y0), (x1, y1) in zip(g, g[1:] + g[:1]):
+        cross = (x1 - x0) * (y - y0) - (y1 - y0) * (x - x0)
+        length = max(((x1 - x0) ** 2 + (y1 - y0) ** 2) ** 0.5, 1e-9)
+        d = cross / length  # signed distance from the edge
+        if abs(d) <= tol:
+            continue
+        if sign and (d > 0) != (sign > 0):
+            return False
+        sign = sign or d
+    return True
+
+
+def _bounds(shape) -> Box:
+    kind, g = shape
+    if kind == "ellipse":
+        cx, cy, rx, ry = g
+        return cx - rx, cy - ry, cx + rx, cy + ry
+    if kind == "box":
+        return g
+    xs, ys = [p[0] for p in g], [p[1] for p in g]
+    return min(xs), min(ys), max(xs), max(ys)
+
+
+def _path(ops: List[Dict[str, Any]], steps: int = 24) -> List[Tuple[float, float]]:
+    """Points along an edge's line (its ``_draw_`` B-spline: cubic Bézier pieces sharing their end points)."""
+    out: List[Tuple[float, float]] = []
+    for op in ops or []:
+        if op["op"] not in ("b", "B"):
+            continue
+        pts = [tuple(p) for p in op["points"]]
+        for i in range(0, len(pts) - 3, 3):
+            (x0, y0), (x1, y1), (x2, y2), (x3, y3) = pts[i:i + 4]
+            for k in range(steps + 1):
+                t = k / steps
+                a, b, c, d = (1 - t) ** 3, 3 * t * (1 - t) ** 2, 3 * t * t * (1 - t), t ** 3
+                out.append((a * x0 + b * x1 + c * x2 + d * x3, a * y0 + b * y1 + c * y2 + d * y3))
+    return out
+
+
+def _overlap(a: Box, b: Box, tol: float = 0.5) -> bool:
+    return a[0] < b[2] - tol and b[0] < a[2] - tol and a[1] < b[3] - tol and b[1] < a[3] - tol
+
+
+def layout_problems(lay: Dict[str, Any]) -> List[str]:
+    """What is wrong with a Graphviz layout (``layout(graph)``), as sentences; ``[]`` when it reads cleanly.
+
+    Checked on Graphviz's own geometry: every text line of a node inside the node's outline (a diamond's sides
+    included, not just its bounding box); no edge label on a node's box or on another edge label; every cluster's
+    title inside its cluster and off its nodes; the graph's title inside the drawing; no two nodes overlapping.
+    """
+    problems: List[str] = []
+    nodes = []
+    for obj in lay.get("objects", []):
+        shape = _outline(obj.get("_draw_"))
+        if "bb" in obj or shape is None:  # a cluster (it has a bounding box), or an invisible node
+            continue
+        nodes.append((obj["name"], shape))
+        for text, (x0, y0, x1, y1) in _texts(obj.get("_ldraw_")):
+            if not all(_inside(shape, x, y) for x, y in ((x0, y0), (x0, y1), (x1, y0), (x1, y1))):
+                problems.append(f"node {obj['name']}: {text!r} overflows its box")
+    for i, (a, sa) in enumerate(nodes):
+        for b, sb in nodes[i + 1:]:
+            if _overlap(_bounds(sa), _bounds(sb)):
+                problems.append(f"nodes {a} and {b} overlap")
+    edge_labels, paths = [], []
+    for i, e in enumerate(lay.get("edges", [])):
+        paths.append((i, _path(e.get("_draw_"))))
+        for key in ("_ldraw_", "_hldraw_", "_tldraw_"):
+            for text, box in _texts(e.get(key)):
+                edge_labels.append((i, text, box))
+    titles = [(f"cluster {obj['name']}'s title", text, box) for obj in lay.get("objects", []) if "bb" in obj
+              for text, box in _texts(obj.get("_ldraw_"))]
+    for i, line in paths:  # no edge's line runs through an edge label (but its own) or a cluster's title
+        for what, text, box in [("edge label", t, b) for j, t, b in edge_labels if j != i] + titles:
+            if any(box[0] < x < box[2] and box[1] < y < box[3] for x, y in line):
+                problems.append(f"an edge runs through {what} {text!r}")
+    for _, text, box in edge_labels:
+        for name, shape in nodes:
+            if _overlap(box, _bounds(shape)):
+                problems.append(f"edge label {text!r} lies on node {name}")
+    for i, (_, a, ba) in enumerate(edge_labels):
+        for _, b, bb in edge_labels[i + 1:]:
+            if _overlap(ba, bb):
+                problems.append(f"edge labels {a!r} and {b!r} overlap")
+    for obj in lay.get("objects", []):
+        if "bb" not in obj:
+            continue
+        frame = tuple(float(v) for v in obj["bb"].split(","))
+        x0, y0, x1, y1 = frame
+        for text, box in _texts(obj.get("_ldraw_")):
+            if not (x0 - 0.5 <= box[0] and box[2] <= x1 + 0.5 and y0 - 0.5 <= box[1] and box[3] <= y1 + 0.5):
+                problems.append(f"cluster {obj['name']}: title {text!r} overflows its frame")
+            for name, shape in nodes:
+                if _overlap(box, _bounds(shape)):
+                    problems.append(f"cluster {obj['name']}: title {text!r} lies on node {name}")
+            for _, label, lbox in edge_labels:
+                if _overlap(box, lbox):
+                    problems.append(f"cluster {obj['name']}: title {text!r} lies under edge label {label!r}")
+        for _, label, (a0, b0, a1, b1) in edge_labels:  # a label is inside a cluster's frame or outside, not across
+            crossed = [v for v, lo, hi in ((x0, a0, a1), (x1, a0, a1)) if lo + 0.5 < v < hi - 0.5 and
+                       b0 < y1 and y0 < b1]
+            crossed += [v for v, lo, hi in ((y0, b0, b1), (y1, b0, b1)) if lo + 0.5 < v < hi - 0.5 and
+                        a0 < x1 and x0 < a1]
+            if crossed:
+                problems.append(f"edge label {label!r} lies across the frame of cluster {obj['name']}")
+    x0, y0, x1, y1 = (float(v) for v in lay["bb"].split(","))
+    for text, box in _texts(lay.get("_ldraw_")):
+        if not (x0 - 0.5 <= box[0] and box[2] <= x1 + 0.5):
+            problems.append(f"graph title {text!r} is wider than the drawing")
+    return problems
+
+
+def render(graph, path: Path) -> None:
+    """Write ``graph`` as a PNG at ``path``, after checking its layout.
+
+    Raises:
+        ValueError: the layout has a problem (``layout_problems``): text outside a box, an edge label on a node.
+        RuntimeError: Graphviz's ``dot`` is not installed.
+    """
+    problems = layout_problems(layout(graph))
+    if problems:
+        raise ValueError(f"{Path(path).name}: " + "; ".join(problems))
+    Path(path).write_bytes(_pipe(graph, "png"))
+
+
+def schedule_flowchart_graph():
+    """``Scheduler.schedule()`` as a ``graphviz.Digraph``: the boxes of ``schedule_flowchart_steps`` (each with its
+    line in scheduler.py) in the three parts of the method, and the arrows of ``_FLOW_EDGES``."""
+    steps = {s.key: s for s in schedule_flowchart_steps()}
+    g = _digraph("Scheduler.schedule(), one engine step (minivllm/core/sched/scheduler.py; "
+                 "vLLM: vllm/v1/core/sched/scheduler.py)")
+    for i, (title, keys) in enumerate(_FLOW_PARTS):
+        with g.subgraph(name=f"cluster_{i}") as c:
+            c.attr(label=title, labeljust="l", fontsize="11", style="rounded,dashed", color="#999999", margin="16",
+                   labelloc="b")  # at the bottom: the arrows into a part come in at its top
+            for k in keys:
+                s = steps.pop(k)
+                _node(c, k, f"{s.text}\n[scheduler.py L{s.line}]", s.kind)
+    for k, s in steps.items():  # between the parts: the gate
+        _node(g, k, f"{s.text}\n[scheduler.py L{s.line}]", s.kind)
+    for tail, head, label, attrs in _FLOW_EDGES:
+        g.edge(tail, head, label=label, **attrs)
+    return g
 
 
 @register("schedule_flowchart.png")
 def schedule_flowchart(path: Path) -> None:
-    """Scheduler.schedule() as a flowchart: running loop, allocate or preempt, the gate, waiting loop, output,
-    connector metadata; each box labelled with its line in scheduler.py."""
-    import matplotlib.pyplot as plt
-
-    steps = {s.key: s for s in schedule_flowchart_steps()}
-    L, M, R = 3.0, 7.9, 12.6  # columns: running loop, preemption and output, waiting loop
-    P = {
-        "running": (L, 11), "allocate": (L, 9.2), "preempt": (M, 9.2), "scheduled": (L, 7.4), "gate": (L, 5.4),
-        "waiting": (R, 7.9), "match": (R, 6.5), "admit": (R, 4.9), "after_alloc": (R, 3.3),
-        "output": (M, 1.9), "meta": (M, 0.6), "advance": (M, -0.7),
-    }
-    fig, ax = plt.subplots(figsize=(14, 10.5))
-    ax.set_xlim(0, 15.6)
-    ax.set_ylim(-1.4, 11.8)
-    ax.axis("off")
-    W, HB, HD = 4.6, 1.0, 1.2  # box width, box height, diamond height
-    for key, s in steps.items():
-        _box(ax, *P[key], f"{s.text}\n[scheduler.py L{s.line}]", s.kind, w=W + (0.6 if s.kind == "decision" else 0),
-             h=HD if s.kind == "decision" else HB)
-
-    def top(k, d=0.0):
-        return (P[k][0] + d, P[k][1] + (HD / 2 + 0.15 if steps[k].kind == "decision" else HB / 2))
-
-    def bottom(k, d=0.0):
-        return (P[k][0] + d, P[k][1] - (HD / 2 + 0.15 if steps[k].kind == "decision" else HB / 2))
-
-    def left(k, dy=0.0):
-        return (P[k][0] - (W + 0.6) / 2 if steps[k].kind == "decision" else P[k][0] - W / 2, P[k][1] + dy)
-
-    def right(k, dy=0.0):
-        return (P[k][0] + (W + 0.6) / 2 if steps[k].kind == "decision" else P[k][0] + W / 2, P[k][1] + dy)
-
-    _arrow(ax, bottom("running"), top("allocate"))
-    _arrow(ax, right("allocate"), left("preempt"), "no", label_pos=0.4, offset=(0, 0.15))
-    _arrow(ax, top("preempt"), (P["allocate"][0] + 1.2, P["allocate"][1] + 0.55),
-           "retry, until it fits or the\nrequest preempted itself", rad=0.45, label_pos=0.5, offset=(-0.2, 0.45))
-    _arrow(ax, bottom("allocate"), top("scheduled"), "yes")
-    _arrow(ax, left("scheduled"), left("running"), "next running\nrequest", rad=-0.35, label_pos=0.5,
-           offset=(-0.75, 0))
-    _arrow(ax, bottom("scheduled"), top("gate"), "no running request left, or budget spent")
-    _arrow(ax, bottom("preempt"), (P["scheduled"][0] + 2.3, P["scheduled"][1] + 0.2),
-           "the request preempted itself:\nstop the running loop", label_pos=0.45, offset=(0.1, 0))
-    _arrow(ax, right("gate"), left("waiting"), "nobody preempted", label_pos=0.55, offset=(-0.6, 0.35))
-    _arrow(ax, bottom("gate"), (P["output"][0] - 2.3, P["output"][1] + 0.2),
-           "a preemption in this step:\nno admissions", label_pos=0.45, offset=(-2.3, 0))
-    _arrow(ax, bottom("waiting"), top("match"), "num_computed_tokens == 0", offset=(0.1, 0))
-    _arrow(ax, bottom("match"), top("admit"))
-    _arrow(ax, bottom("admit"), top("after_alloc"), "yes")
-    _arrow(ax, right("after_alloc"), right("waiting"), "next waiting\nrequest", rad=0.4, offset=(0.3, 0))
-    _arrow(ax, left("admit"), top("output", 0.8), "no: stop (waiting requests never\npreempt; nothing overtakes)",
-           label_pos=0.35, offset=(-2.2, 0.1))
-    _arrow(ax, bottom("after_alloc"), right("output"), "queue empty, budget or\nmax_num_seqs spent", label_pos=0.45,
-           offset=(0.1, 0.1))
-    _arrow(ax, bottom("output"), top("meta"))
-    _arrow(ax, bottom("meta"), top("advance"))
-    ax.set_title("Scheduler.schedule(), one engine step (minivllm/core/sched/scheduler.py; vLLM: "
-                 "vllm/v1/core/sched/scheduler.py)", fontsize=10)
-    _save(fig, path)
+    """Scheduler.schedule() as a flowchart: running loop, allocate or preempt, the gate, waiting loop (prefix
+    cache, connector, whole-prompt admission check, resumed or new), output, connector metadata; each box
+    labelled with its line in scheduler.py."""
+    render(schedule_flowchart_graph(), path)
 
 
 # ---- the request state machine ----------------------------------------------------------------------------------
@@ -289,60 +535,42 @@ def request_state_machine() -> Tuple[List[str], List[Transition]]:
     return states, transitions
 
 
+def request_state_machine_graph():
+    """The request state machine as a ``graphviz.Digraph``: ``RequestStatus``'s members and the transitions of
+    ``request_state_machine``, each labelled with why and the method that makes it."""
+    from minivllm.request import RequestStatus
+
+    states, transitions = request_state_machine()
+    used = {t.source for t in transitions} | {t.target for t in transitions}
+    aborts = [t for t in transitions if t.target == "FINISHED_ABORTED"]  # dashed, the target's box says why
+    g = _digraph("Request states (minivllm.request.RequestStatus; vLLM: vllm/v1/request.py) and the\n"
+                 "Scheduler method (or check_stop) that moves a request", rankdir="LR", nodesep="0.5",
+                 ranksep="0.9")
+    g.node("_start", "", shape="point", width="0.12", color="#333333")
+    for s in states:
+        finished = RequestStatus.is_finished(RequestStatus[s])
+        label = s
+        if s not in used:
+            label += "\n(no transition drawn)"
+        elif s == "FINISHED_ABORTED" and aborts:
+            label += "\nfinish_requests: an abort from\nany unfinished state"
+        g.node(s, label, shape="box", style="rounded,filled",
+               fillcolor=_FILL["orphan" if s not in used else "final" if finished else "state"])
+    g.edge("_start", "WAITING", label="add_request")
+    for t in transitions:
+        if t in aborts:
+            g.edge(t.source, t.target, style="dashed", color="#a05050")
+            continue
+        methods = "\n".join(m.replace("Scheduler.", "") for m in t.method.split(" | "))
+        g.edge(t.source, t.target, label=f"{t.why}\n{methods}")
+    return g
+
+
 @register("request_state_machine.png")
 def request_state_machine_figure(path: Path) -> None:
     """The request state machine: RequestStatus's members and the transitions the scheduler makes (with the
     method that makes each)."""
-    import matplotlib.pyplot as plt
-
-    from minivllm.request import RequestStatus
-
-    states, transitions = request_state_machine()
-    fixed = {"WAITING": (2.3, 6), "RUNNING": (8.6, 6), "PREEMPTED": (8.6, 2.2), "WAITING_FOR_REMOTE_KVS": (2.3, 2.2),
-             "FINISHED_STOPPED": (14.6, 8), "FINISHED_LENGTH_CAPPED": (14.6, 6), "FINISHED_ABORTED": (14.6, 4)}
-    pos = {}
-    extra = 0
-    for s in states:  # a state the layout does not know yet still appears, in a row of its own
-        pos[s] = fixed.get(s, (2.3 + 4.5 * extra, 0.2))
-        extra += s not in fixed
-    fig, ax = plt.subplots(figsize=(15, 8))
-    ax.set_xlim(0, 16.6)
-    ax.set_ylim(-0.6 if extra else 1.0, 9.3)
-    ax.axis("off")
-    used = {t.source for t in transitions} | {t.target for t in transitions}
-    for s in states:
-        kind = "final" if RequestStatus.is_finished(RequestStatus[s]) else "state"
-        if s not in used:
-            kind = "orphan"
-        _box(ax, *pos[s], s + ("\n(no transition drawn)" if s not in used else ""), kind, w=3.6, h=0.8)
-    _arrow(ax, (pos["WAITING"][0], 8.4), (pos["WAITING"][0], pos["WAITING"][1] + 0.45), "add_request")
-    aborts = [t for t in transitions if t.target == "FINISHED_ABORTED" and t.source != "RUNNING"]
-    for t in transitions:
-        if t in aborts:
-            continue
-        (x0, y0), (x1, y1) = pos[t.source], pos[t.target]
-        dx, dy = x1 - x0, y1 - y0
-        n = max(abs(dx) / 1.85, abs(dy) / 0.45, 1e-9)
-        # the two directions of a pair side by side
-        sx = (0.35 if dy > 0 else -0.35) if dx == 0 else 0.0
-        sy = (0.15 if dx > 0 else -0.15) if dy == 0 and any(
-            (u.source, u.target) == (t.target, t.source) for u in transitions) else 0.0
-        p = (x0 + dx / n + sx, y0 + dy / n + sy)
-        q = (x1 - dx / n + sx, y1 - dy / n + sy)
-        if dx == 0:
-            offset = (0.15, 0.0) if dy > 0 else (-1.9, 0.0)
-        elif dy == 0:
-            offset = (-0.8, 0.4) if dx > 0 else (-0.8, -0.45)
-        else:
-            offset = (-1.2, 0.3) if dy > 0 else (0.1, 0.3)
-        methods = "\n".join(m.replace("Scheduler.", "") for m in t.method.split(" | "))
-        _arrow(ax, p, q, f"{t.why}\n{methods}", label_pos=0.5, offset=offset)
-    if aborts:
-        ax.text(14.6, 3.0, "abort from any unfinished state\n(" + ", ".join(t.source for t in aborts) +
-                "):\nfinish_requests", ha="center", va="top", fontsize=7.5, color="#a05050")
-    ax.set_title("Request states (minivllm.request.RequestStatus; vLLM: vllm/v1/request.py) and the Scheduler "
-                 "method (or check_stop) that moves a request", fontsize=10)
-    _save(fig, path)
+    render(request_state_machine_graph(), path)
 
 
 # ---- the connector's calls --------------------------------------------------------------------------------------
@@ -400,42 +628,48 @@ def connector_calls() -> List[ConnectorCall]:
     return sorted(out, key=lambda c: (side_rank[c.side], order[c.method]))
 
 
+def connector_calls_graph():
+    """``connector_calls`` as a ``graphviz.Digraph``: the scheduler side and the worker side in call order, each
+    method with the engine's call sites, and what passes between the sides."""
+    calls = connector_calls()
+    g = _digraph("KV connector calls per step (minivllm/distributed/kv_transfer/base.py;\n"
+                 "vLLM: vllm/distributed/kv_transfer/kv_connector/v1/base.py)", nodesep="0.6")
+    sides = (("scheduler", "scheduler side (EngineCore process in vLLM)"),
+             ("worker", "worker side (each worker in vLLM)"))
+    for side, title in sides:
+        group = [c for c in calls if c.side == side]
+        with g.subgraph(name=f"cluster_{side}") as c:
+            c.attr(label=title, labelloc="b", fontsize="11", style="rounded,dashed", color="#999999")
+            for call in group:
+                where = "\n".join(call.call_sites) if call.call_sites else "(not called by the engine)"
+                _node(c, call.method, f"{call.method}()\n{where}", "process" if call.call_sites else "orphan")
+            if side == "scheduler" and any(x.method == "get_finished" for x in calls):
+                _node(c, "_update_from_output", "Scheduler.update_from_output(ModelRunnerOutput)\nnext step: the "
+                      "waiting loop admits\nrequests whose loads finished", "io")
+                group_names = [x.method for x in group] + ["_update_from_output"]
+            else:
+                group_names = [x.method for x in group]
+            for a, b in zip(group_names, group_names[1:]):
+                c.edge(a, b)
+    work = [c.method for c in calls if c.side == "worker"]
+    green = {"color": "#2f6f3e", "fontcolor": "#2f6f3e"}
+    if work and any(c.method == "build_connector_meta" for c in calls):
+        g.edge("build_connector_meta", work[0], label="SchedulerOutput.\nkv_connector_metadata", **green)
+    if "get_finished" in work:
+        g.edge("get_finished", "_update_from_output", label="finished_sending /\nfinished_recving", **green)
+    return g
+
+
 @register("connector_calls.png")
 def connector_calls_figure(path: Path) -> None:
     """The KV connector's scheduler-side and worker-side methods (from KVConnectorBase) in call order, with the
     engine's call sites."""
-    import matplotlib.pyplot as plt
+    render(connector_calls_graph(), path)
 
-    calls = connector_calls()
-    sched = [c for c in calls if c.side == "scheduler"]
-    work = [c for c in calls if c.side == "worker"]
-    rows = max(len(sched) + 1, len(work))
-    gap = 1.35  # vertical distance between boxes
-    fig, ax = plt.subplots(figsize=(13, 1.3 * rows + 1.8))
-    ax.set_xlim(0, 13)
-    ax.set_ylim(-0.2, gap * rows + 0.9)
-    ax.axis("off")
-    ax.text(3.1, gap * rows + 0.45, "scheduler side (EngineCore process in vLLM)", ha="center", fontsize=10, weight="bold")
-    ax.text(9.9, gap * rows + 0.45, "worker side (each worker in vLLM)", ha="center", fontsize=10, weight="bold")
-    ypos: Dict[str, float] = {}
-    for col, group in ((3.1, sched), (9.9, work)):
-        for i, c in enumerate(group):
-            y = gap * (rows - i) - 0.6
-            ypos[c.method] = y
-            where = "\n".join(c.call_sites) if c.call_sites else "(not called by the engine)"
-            _box(ax, col, y, f"{c.method}()\n{where}", "process" if c.call_sites else "orphan", w=5.8, h=0.95)
-            if i:
-                _arrow(ax, (col, y + gap - 0.48), (col, y + 0.48))
-    if "build_connector_meta" in ypos and work:
-        _arrow(ax, (6.0, ypos["build_connector_meta"]), (7.0, ypos[work[0].method]),
-               "SchedulerOutput.\nkv_connector_metadata", label_pos=0.5, offset=(-0.55, 0.35), color="#2f6f3e")
-    if "get_finished" in ypos and sched:
-        y = gap * (rows - len(sched)) - 0.6
-        _box(ax, 3.1, y, "Scheduler.update_from_output(ModelRunnerOutput)\n(next step: the waiting loop admits "
-             "requests whose loads finished)", "io", w=5.8, h=0.95)
-        _arrow(ax, (7.0, ypos["get_finished"]), (6.0, y), "finished_sending /\nfinished_recving",
-               label_pos=0.5, offset=(-0.5, 0.3), color="#2f6f3e")
-    ax.set_title("KV connector calls per step (minivllm/distributed/kv_transfer/base.py; vLLM: "
-                 "vllm/distributed/kv_transfer/kv_connector/v1/base.py)", fontsize=10)
-    _save(fig, path)
 
+GRAPHS: Dict[str, Callable[[], Any]] = {
+    "schedule_flowchart.png": schedule_flowchart_graph,
+    "request_state_machine.png": request_state_machine_graph,
+    "connector_calls.png": connector_calls_graph,
+}
+"""The diagrams' file names in ``images/`` and the functions that build their graphs."""

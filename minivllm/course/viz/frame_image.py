@@ -16,6 +16,7 @@ from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
 
 _W = 12.0  # drawing width in data units
+_MIN_SEG_W = 0.08  # the budget bar's narrowest segment: one decode token of a 2048-token budget stays visible
 _BOX_W, _BOX_H, _GAP = 1.85, 1.05, 0.12
 
 
@@ -84,12 +85,20 @@ def draw_frame(
     x = 0.0
     ax.add_patch(Rectangle((0, y - 0.3), _W, 0.3, facecolor="white", edgecolor="#888"))
     for rid, n in s.num_scheduled_tokens.items():
-        w = _W * n / budget
+        if n <= 0:
+            continue
+        # a segment's width is its share of the budget, but never under _MIN_SEG_W: a few decode tokens of a
+        # large budget would otherwise be drawn thinner than a pixel and the bar would look empty
+        w = min(max(_W * n / budget, _MIN_SEG_W), _W - x)
         c = colors.get(rid, "#777777")
         prefill = s.kinds[rid] == "prefill"
         ax.add_patch(Rectangle((x, y - 0.3), w, 0.3, facecolor="white" if prefill else c, edgecolor=c,
-                               hatch="////" if prefill else None, linewidth=1))
+                               hatch="////" if prefill else None, linewidth=1, gid=f"budget:{rid}"))
         x += w
+    if 0 < used < budget / 3:  # a mostly empty bar: name what the few tokens are, after the segments
+        what = ", ".join(f"{rid}: {s.kinds[rid]} +{n}" for rid, n in s.num_scheduled_tokens.items() if n > 0)
+        if len(what) * 0.085 < _W - x - 0.2:
+            ax.text(x + 0.12, y - 0.15, what, fontsize=7.5, va="center", color="#444")
     y -= 0.55
     ev = [f"{name}: {' '.join(ids) or '-'}" for name, ids in
           (("new", s.new), ("resumed", s.resumed), ("preempted", s.preempted), ("finished", list(s.finished)))]
