@@ -15,15 +15,24 @@ class CacheConfig:
         block_size: tokens per KV block (vLLM default 16).
         num_gpu_blocks: number of blocks. ``None``: as many as fit in ``kv_cache_memory_bytes``. The name is
             vLLM's (``num_gpu_blocks_override`` sets it there) even when the cache lives in CPU memory.
-        kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``
-            (default 1 GiB; vLLM's CPU backend takes the same from ``VLLM_CPU_KVCACHE_SPACE``).
+        kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``, per
+            rank (on the CPU default 1 GiB; vLLM's CPU backend takes the same from ``VLLM_CPU_KVCACHE_SPACE``; on
+            CUDA it replaces the measured free memory, as vLLM's ``kv_cache_memory_bytes`` does).
         enable_prefix_caching: reuse cached full blocks across requests (vLLM's default: on).
+        gpu_memory_utilization: on CUDA, the share of the device's memory this engine may use, weights and KV
+            cache together (vLLM's default 0.9); the KV pool gets what is left of it after the weights
+            (``Worker.determine_available_memory``). Unused on the CPU.
+
+    ``num_gpu_blocks`` is vLLM's ``num_gpu_blocks_override`` when given; when ``None``, ``EngineCore`` sets it
+    from the workers' available memory at start-up (vLLM ``EngineCore._initialize_kv_caches`` sets
+    ``cache_config.num_gpu_blocks`` the same way), before the scheduler exists.
     """
 
     block_size: int = 16
     num_gpu_blocks: Optional[int] = None
     kv_cache_memory_bytes: Optional[int] = None
     enable_prefix_caching: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def verify(self) -> None:
         if not isinstance(self.block_size, int) or self.block_size < 1:
@@ -32,6 +41,9 @@ class CacheConfig:
             raise ValueError(f"num_gpu_blocks must be >= 1, got {self.num_gpu_blocks!r}")
         if self.kv_cache_memory_bytes is not None and self.kv_cache_memory_bytes <= 0:
             raise ValueError(f"kv_cache_memory_bytes must be > 0, got {self.kv_cache_memory_bytes!r}")
+        u = self.gpu_memory_utilization
+        if not isinstance(u, (int, float)) or isinstance(u, bool) or not 0 < u <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
 @dataclass
@@ -121,8 +133,9 @@ class ParallelConfig:
             ``minivllm/model/layers/linear.py``). 1: one process, the engine's own.
         distributed_executor_backend: ``"mp"`` (the engine spawns one worker process per rank:
             ``MultiprocExecutor``), ``"external_launcher"`` (every rank is a process that ``torchrun`` started and
-            runs the whole engine in step with the others, vLLM's ``ExecutorWithExternalLauncher``), or ``None``:
-            ``"mp"`` when ``tensor_parallel_size > 1``, else no executor at all (the in-process model runner).
+            runs the whole engine in step with the others, vLLM's ``ExecutorWithExternalLauncher``), ``"uni"``
+            (one worker in the engine's own process: ``UniProcExecutor``, one device only), or ``None``: ``"uni"``
+            when ``tensor_parallel_size`` is 1, else ``"mp"`` (vLLM's rule in ``ParallelConfig.__post_init__``).
 
     Raises:
         ValueError: for a size below 1 or an unknown backend.
@@ -135,9 +148,13 @@ class ParallelConfig:
         n = self.tensor_parallel_size
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"tensor_parallel_size must be a positive int, got {n!r}")
-        if self.distributed_executor_backend not in (None, "mp", "external_launcher"):
-            raise ValueError("distributed_executor_backend must be None, 'mp' or 'external_launcher', got "
+        if self.distributed_executor_backend not in (None, "uni", "mp", "external_launcher"):
+            raise ValueError("distributed_executor_backend must be None, 'uni', 'mp' or 'external_launcher', got "
                              f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and n > 1:
+            raise ValueError(f"distributed_executor_backend='uni' runs one device; tensor_parallel_size is {n}")
+        if self.distributed_executor_backend is None:
+            self.distributed_executor_backend = "uni" if n == 1 else "mp"
 
     def verify_with_model_config(self, hf_config: Any) -> None:
         """vLLM's head rule, checked here in full before any process starts: query heads must divide by N; KV
@@ -170,6 +187,14 @@ class ParallelConfig:
         """KV heads each rank's cache holds (vLLM's ``QKVParallelLinear.num_kv_heads``)."""
         kv = hf_config.num_key_value_heads
         return max(kv // self.tensor_parallel_size, 1)
+
+
+def max_model_len_error(num_gpu_blocks: int, block_size: int, max_model_len: int) -> str:
+    """The message of the ``ValueError`` for a KV pool too small for one request of ``max_model_len`` tokens."""
+    capacity = num_gpu_blocks * block_size
+    return (f"num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
+            f"request of max_model_len ({max_model_len}) tokens: need at least {-(-max_model_len // block_size)} "
+            "blocks, or a smaller max_model_len")
 
 
 def tensor_parallel_sizes(hf_config: Any) -> list:
@@ -206,57 +231,66 @@ class LoadConfig:
 @dataclass
 class ModelConfig:
     """Which model (vLLM: ``vllm/config/model.py``; the engine's limits such as ``max_model_len`` live in
-    ``SchedulerConfig`` here).
+    ``SchedulerConfig`` here). Settings only: the weights are loaded by the ``Worker``, the tokenizer by the
+    ``LLMEngine`` (vLLM's front end, ``InputProcessor``, loads it there too).
 
     Args:
         model: a ``.gguf`` file, a Hugging Face folder, or a built-in name (``"tiny"``).
         hf_config: the architecture, a ``minivllm.model.config.LlamaConfig`` (typed ``Any``: this module is a
-            leaf of the import graph and imports nothing of the model layer).
+            leaf of the import graph and imports nothing of the model layer), read from the file's metadata.
         tokenizer: where the tokenizer is read from, or ``None`` (a built-in model has none).
+        dtype: the ``torch.dtype`` of the weights and the KV cache (``None`` until ``EngineArgs`` resolves it).
+        max_model_len: the ``max_model_len`` the user asked for, or ``None``: then ``SchedulerConfig.max_model_len``
+            is the model's context length, capped at the KV pool's capacity once the pool is sized.
+        model_instance: minivllm only: a ``LlamaForCausalLM`` handed to the engine already built (the notebooks
+            share one loaded model between several engines); the ``Worker`` uses it instead of loading. It never
+            travels to worker processes: ``tensor_parallel_size > 1`` refuses a built model.
     """
 
     model: str
     hf_config: Any
     tokenizer: Optional[str] = None
+    dtype: Any = None
+    max_model_len: Optional[int] = None
+    model_instance: Any = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
 class VllmConfig:
     """Every setting of one engine, resolved and validated (vLLM: ``VllmConfig`` in ``vllm/config/vllm.py``).
 
-    Built once by ``EngineArgs.create_engine_config()``; nothing changes it afterwards.
-
-    Where minivllm differs from vLLM: vLLM's config holds only settings (``ModelConfig`` reads the Hugging Face
-    config, and the worker loads the weights later). minivllm's GGUF reader yields the config and the weights in
-    one pass, and the KV pool size depends on the loaded dtype, so the loaded ``model`` and its ``tokenizer``
-    travel in the config to the ``EngineCore``. ``hf_config`` is the loaded model's own ``LlamaConfig`` (vLLM:
-    ``model_config.hf_config``; the model may also be handed in built, without a ``ModelConfig``).
+    Built once by ``EngineArgs.create_engine_config()`` without loading anything, and sent to worker processes as
+    it is. As in vLLM, ``EngineCore`` fills in ``cache_config.num_gpu_blocks`` (and, when the user left
+    ``max_model_len`` unset, caps ``scheduler_config.max_model_len`` at the pool's capacity) after the workers
+    have measured their memory; nothing else changes it afterwards.
 
     Attributes:
-        hf_config: the architecture (``LlamaConfig``: layers, heads, ``vocab_size``, context length).
-        cache_config / scheduler_config: as above, with ``num_gpu_blocks`` and the limits resolved.
-        model: the loaded ``LlamaForCausalLM``; tokenizer: a transformers tokenizer or ``None``.
-        dtype / device: ``torch.dtype`` and ``torch.device`` of the weights and the KV cache.
+        model_config / load_config: which model and how its weights are loaded (by the ``Worker``).
+        cache_config / scheduler_config / parallel_config: as above.
+        device: the ``torch.device`` of the weights and the KV cache.
         seed: seed of the generator shared by requests without a seed of their own.
-        kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``).
+        kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``, from which vLLM
+            builds the connector itself; minivllm takes the object so the course can hand in its own).
         attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
             and dtype) and whether CUDA graphs are off, as in vLLM.
-        parallel_config: tensor parallelism. With ``tensor_parallel_size > 1`` and the ``"mp"`` backend, ``model``
-            is ``None``: each worker process loads its own share from ``model_config`` and ``load_config`` (as
-            every vLLM worker does); the engine process holds only the tokenizer and the config.
+        hf_config, dtype: shorthands for ``model_config.hf_config`` and ``model_config.dtype``.
     """
 
-    hf_config: Any
+    model_config: ModelConfig
     cache_config: CacheConfig
     scheduler_config: SchedulerConfig
-    model: Any
-    tokenizer: Any
-    dtype: Any
     device: Any
+    load_config: LoadConfig = field(default_factory=LoadConfig)
+    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     kv_connector: Any = None
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
-    parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    model_config: Optional[ModelConfig] = None
-    load_config: Optional[LoadConfig] = None
+
+    @property
+    def hf_config(self) -> Any:
+        return self.model_config.hf_config
+
+    @property
+    def dtype(self) -> Any:
+        return self.model_config.dtype

@@ -31,13 +31,14 @@ PKG = ROOT / "minivllm"
 LAYERS: List[Tuple[str, List[str]]] = [
     ("utils", ["minivllm.utils", "minivllm.metrics", "minivllm.config", "minivllm.envs"]),
     ("data", ["minivllm.sampling_params", "minivllm.request", "minivllm.outputs", "minivllm.core.block_hash",
-              "=minivllm.engine"]),
+              "minivllm.kv_cache_interface", "=minivllm.engine"]),
     # The KV connectors sit beside core: the scheduler calls their scheduler side, and the worker their worker
     # side, so they import core types and nothing above core.
     ("core", ["minivllm.core", "minivllm.distributed"]),
     ("model", ["minivllm.model", "minivllm.attention", "minivllm.custom_ops"]),
     ("worker", ["minivllm.worker"]),
-    # Tensor parallelism's executors start and drive the workers (vLLM's vllm/v1/executor above vllm/v1/worker).
+    # The executors (one device in process, worker processes, torchrun) start and drive the workers (vLLM's
+    # vllm/v1/executor above vllm/v1/worker); the engine core talks only to an executor.
     ("executor", ["minivllm.executor"]),
     ("engine", ["minivllm.engine", "=minivllm"]),
     # The OpenAI-compatible server on AsyncLLM (vLLM's vllm/entrypoints/openai above vllm/v1/engine).

@@ -260,3 +260,40 @@ def test_workers_exit_when_the_engine_process_is_killed():
     while not all(_exited(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert all(_exited(p) for p in pids)
+
+
+def test_an_unguarded_script_fails_with_the_reason_and_what_to_write(tmp_path):
+    """A script that builds a TP engine at import time, without ``if __name__ == "__main__":``: each spawned worker
+    imports it again. The engine process must say so and what to write, not only "exit code 1"."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("from minivllm import LLM\nllm = LLM('tiny-tp', tensor_parallel_size=2, num_gpu_blocks=16)\n"
+                      "print('built')\n")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
+                         cwd=tmp_path)
+    assert out.returncode != 0 and "built" not in out.stdout
+    last = out.stderr.strip().splitlines()
+    message = "\n".join(last[-12:])
+    assert "exited during start" in message and "spawn" in message, out.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in message, out.stderr[-3000:]
+
+
+def test_traced_engine_records_the_same_inputs_with_tensor_parallelism(tp2_engine):
+    from minivllm.course.trace import SchedulerTrace
+
+    one = LLMEngine("tiny-tp", **TIGHT)
+    traces = []
+    for engine in (one, tp2_engine):
+        trace = SchedulerTrace(record_inputs=True)
+        engine.add_step_observer(trace)
+        engine.add_request("t", PROMPTS[0], GREEDY)
+        engine.run_to_completion()
+        engine.engine_core.step_observers.remove(trace)
+        traces.append(trace)
+    assert [r.inputs for r in traces[0]] == [r.inputs for r in traces[1]]
+    assert traces[0][0].inputs["slot_mapping"][:4] == list(range(4))

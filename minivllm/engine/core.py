@@ -8,10 +8,12 @@ Where minivllm differs from vLLM:
 * Everything runs in one process. vLLM's ``LLMEngine`` talks to the core through an ``EngineCoreClient`` (in
   process, or over ZMQ to a busy-looping ``EngineCoreProc``); minivllm calls ``EngineCore`` directly, because the
   course steps it by hand and inspects its scheduler and KV cache between steps.
-* ``model_executor`` is the ``ModelRunner`` itself: vLLM's executor -> worker -> model runner chain collapses to
-  its last link on one device. With ``tensor_parallel_size > 1`` it is an executor (``minivllm/executor/``):
-  ``MultiprocExecutor`` (worker processes that the engine starts) or ``ExecutorWithExternalLauncher`` (under
-  ``torchrun``); the scheduler still runs here, once.
+* The layers below are vLLM's: ``model_executor`` is an ``Executor`` (``minivllm/executor/``:
+  ``UniProcExecutor`` for one device, ``MultiprocExecutor`` for worker processes that the engine starts,
+  ``ExecutorWithExternalLauncher`` under ``torchrun``), which drives one ``Worker`` per device, which owns the
+  ``ModelRunner``. ``__init__`` follows vLLM's order: the executor (its workers load the model), then
+  ``_initialize_kv_caches`` (the workers' available memory -> the block count -> each worker allocates its KV
+  cache and captures its graphs), then the ``KVCacheManager`` and the ``Scheduler``.
 * Async scheduling (``SchedulerConfig.async_scheduling``) runs vLLM's ``step_with_batch_queue`` with a queue of
   two: schedule step N+1 and run it, then process step N's output. The forward pass runs synchronously here, so
   the model runner already holds step N's sampled tokens when it builds step N+1's inputs (vLLM's runner copies
@@ -27,18 +29,25 @@ Where minivllm differs from vLLM:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Protocol, Tuple
+from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
 
-from minivllm.config import VllmConfig
+from minivllm.config import VllmConfig, max_model_len_error
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.core.sched.async_scheduler import AsyncScheduler
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.engine import EngineCoreOutputs
+from minivllm.executor import get_executor_class
+from minivllm.executor.abstract import Executor
+from minivllm.kv_cache_interface import get_num_blocks
 from minivllm.request import Request, RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.outputs import ModelRunnerOutput, RequestOutput
+
+
+# At most this many blocks when the pool is sized from memory (a 1 GiB budget holds ~10^5 blocks of "tiny").
+MAX_DEFAULT_BLOCKS = 8192
 
 
 class StepObserver(Protocol):
@@ -51,52 +60,74 @@ class StepObserver(Protocol):
 
 
 class EngineCore:
-    """Owns the KV cache manager, the scheduler and the model runner; runs steps.
+    """Owns the executor, the KV cache manager and the scheduler; runs steps.
 
     Args:
-        vllm_config: the resolved config (``EngineArgs.create_engine_config()``).
+        vllm_config: the config from ``EngineArgs.create_engine_config()``; ``cache_config.num_gpu_blocks`` (and
+            a defaulted ``max_model_len``) are set here once the workers have measured their memory.
+
+    Raises:
+        ValueError: when the KV pool cannot hold one request of ``max_model_len`` tokens; the executor's
+            workers are stopped first.
     """
 
     def __init__(self, vllm_config: VllmConfig) -> None:
-        from minivllm.worker.model_runner import ModelRunner
-        from minivllm.worker.v2.model_runner import ModelRunnerV2
-
-        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
-        num_gpu_blocks = cache.num_gpu_blocks
-        assert num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
         self.vllm_config = vllm_config
+        executor_class = get_executor_class(vllm_config)
+        self.model_executor: Executor = executor_class(vllm_config)
+        try:
+            num_gpu_blocks = self._initialize_kv_caches(vllm_config)
+        except BaseException:
+            self.model_executor.shutdown()
+            raise
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching)
         scheduler_cls = AsyncScheduler if sched.async_scheduling else Scheduler
         self.scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
-        parallel = vllm_config.parallel_config
-        # A ModelRunner (one device) or an executor: all three have execute_model(scheduler_output).
-        self.model_executor: Any
-        if parallel.tensor_parallel_size > 1 and parallel.distributed_executor_backend == "external_launcher":
-            from minivllm.executor.external_launcher import ExecutorWithExternalLauncher
-            self.model_executor = ExecutorWithExternalLauncher(vllm_config)
-        elif parallel.tensor_parallel_size > 1:
-            from minivllm.executor.multiproc_executor import MultiprocExecutor
-            self.model_executor = MultiprocExecutor(vllm_config)
-        else:
-            runner_cls = ModelRunnerV2 if sched.use_v2_model_runner else ModelRunner
-            self.model_executor = runner_cls(vllm_config.model, num_gpu_blocks, cache.block_size, vllm_config.device,
-                                              vllm_config.seed, vllm_config.kv_connector,
-                                              vllm_config.attention_backend, vllm_config.enforce_eager)
         self.step_observers: List[StepObserver] = []
         # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
         self.batch_queue_size = 2 if sched.async_scheduling else 1
         self.batch_queue: Deque[Tuple[SchedulerOutput, "ModelRunnerOutput"]] = deque()
 
+    def _initialize_kv_caches(self, vllm_config: VllmConfig) -> int:
+        """Size the KV pool and have every worker allocate it (vLLM ``EngineCore._initialize_kv_caches``).
+
+        The block count is ``num_gpu_blocks`` when the user gave it (vLLM's ``num_gpu_blocks_override``), else
+        what fits in the smallest worker's available memory (``get_num_blocks``), at most 8192 blocks (minivllm's
+        cap, so that a 1 GiB CPU budget for a tiny model does not allocate a huge table). A ``max_model_len`` the
+        user left unset is capped at the pool's capacity; one they set must fit.
+
+        Raises:
+            ValueError: when the pool cannot hold one request of ``max_model_len`` tokens (vLLM:
+                ``check_enough_kv_cache_memory``) or no block fits at all.
+        """
+        cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
+        num_gpu_blocks = cache.num_gpu_blocks
+        if num_gpu_blocks is None:
+            specs = self.model_executor.get_kv_cache_specs()
+            available = self.model_executor.determine_available_memory()
+            num_gpu_blocks = min(min(get_num_blocks(m, spec) for m, spec in zip(available, specs)),
+                                 MAX_DEFAULT_BLOCKS)
+            if num_gpu_blocks < 1:
+                raise ValueError(f"no KV cache block fits in {min(available)} bytes (one block of all layers "
+                                 f"needs {specs[0].page_size_bytes * specs[0].num_layers}): raise "
+                                 "kv_cache_memory_bytes or gpu_memory_utilization")
+        capacity = num_gpu_blocks * cache.block_size
+        if sched.max_model_len > capacity:
+            if vllm_config.model_config.max_model_len is not None:
+                raise ValueError(max_model_len_error(num_gpu_blocks, cache.block_size, sched.max_model_len))
+            sched.max_model_len = capacity
+        cache.num_gpu_blocks = num_gpu_blocks
+        self.model_executor.initialize_from_config(num_gpu_blocks)
+        return num_gpu_blocks
+
     def add_request(self, request: Request) -> None:
         self.scheduler.add_request(request)
 
     def shutdown(self) -> None:
-        """Stop the tensor-parallel workers, if any (vLLM ``EngineCore.shutdown``); idempotent. A single-device
-        engine has nothing to stop."""
-        shutdown = getattr(self.model_executor, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Stop the executor's workers (vLLM ``EngineCore.shutdown``); idempotent."""
+        self.model_executor.shutdown()
 
     def abort_requests(self, request_ids: Iterable[str]) -> List[Request]:
         """Abort requests wherever they are; unknown or finished ids are ignored. Returns the ones aborted."""

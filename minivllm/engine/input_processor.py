@@ -26,15 +26,16 @@ class InputProcessor:
     """Turns ``(request_id, prompt, params)`` into a validated ``Request``.
 
     Args:
-        vllm_config: the engine's config (limits, block size, pool size, tokenizer, vocabulary).
+        vllm_config: the engine's config (limits, block size, pool size, vocabulary), its pool already sized.
+        tokenizer: a transformers tokenizer, or ``None`` (token-id prompts only).
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
-        self.tokenizer = vllm_config.tokenizer
+    def __init__(self, vllm_config: VllmConfig, tokenizer: Any = None) -> None:
+        self.tokenizer = tokenizer
         self.vocab_size: int = vllm_config.hf_config.vocab_size
         self.max_model_len = vllm_config.scheduler_config.max_model_len
         cache = vllm_config.cache_config
-        assert cache.num_gpu_blocks is not None  # resolved by EngineArgs.create_engine_config
+        assert cache.num_gpu_blocks is not None  # set by EngineCore._initialize_kv_caches
         self.block_size, self.num_gpu_blocks = cache.block_size, cache.num_gpu_blocks
         caching_or_connector = cache.enable_prefix_caching or vllm_config.kv_connector is not None
         self._block_hasher: Optional[Callable] = get_request_block_hasher(self.block_size) if caching_or_connector else None

@@ -10,7 +10,7 @@ served. Where minivllm differs from vLLM (one process, no engine-core client), s
 from __future__ import annotations
 
 import itertools
-from typing import Dict, Iterable, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Union
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core import EngineCore, StepObserver
@@ -19,6 +19,10 @@ from minivllm.engine.output_processor import OutputProcessor
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from minivllm.model.llama import LlamaForCausalLM
+    from minivllm.worker.model_runner import ModelRunner
 
 __all__ = ["LLMEngine", "PromptType"]
 
@@ -33,10 +37,15 @@ class LLMEngine:
             ``enable_prefix_caching``, ``dtype``, ``device``, ``kv_connector``, ...).
 
     Attributes:
-        vllm_config, model_config (the model's ``LlamaConfig``, vLLM's ``model_config.hf_config``), cache_config,
-        scheduler_config: the settings.
+        vllm_config, model_config (the model's ``LlamaConfig``, vLLM's ``model_config.hf_config``; the name is
+        kept for the notebooks), cache_config, scheduler_config: the settings.
+        tokenizer: loaded here, in the front end, as vLLM's ``InputProcessor`` loads it (``None`` for a model
+        without one).
         input_processor, engine_core, output_processor: the three layers.
-        scheduler, kv_cache_manager, model_runner: the engine core's parts, for inspection between steps.
+        scheduler, kv_cache_manager: the engine core's parts, for inspection between steps.
+        model_runner, model: the driver worker's ``ModelRunner`` and model (one device, or this rank under
+        ``torchrun``), for inspection; with worker processes they live there: use
+        ``engine_core.model_executor.collective_rpc``.
 
     Raises:
         ValueError: for any inconsistent setting, naming the parameter and the limit.
@@ -47,16 +56,39 @@ class LLMEngine:
         self.vllm_config = config
         self.model_config, self.cache_config, self.scheduler_config = (
             config.hf_config, config.cache_config, config.scheduler_config)
-        self.model, self.tokenizer, self.dtype, self.device = config.model, config.tokenizer, config.dtype, config.device
+        self.dtype, self.device = config.dtype, config.device
         self.kv_connector = config.kv_connector
+        self.tokenizer = engine_kwargs.get("tokenizer")
+        if self.tokenizer is None and config.model_config.tokenizer is not None:
+            from minivllm.model.tokenizer import load_tokenizer
+            self.tokenizer = load_tokenizer(config.model_config.tokenizer)
 
-        self.input_processor = InputProcessor(config)
         self.engine_core = EngineCore(config)
+        self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler = self.engine_core.scheduler
         self.kv_cache_manager = self.engine_core.kv_cache_manager
-        self.model_runner = self.engine_core.model_executor
         self._counter = itertools.count()
+
+    @property
+    def model_runner(self) -> "ModelRunner":
+        """The driver worker's model runner (minivllm's inspection handle; vLLM reaches it as
+        ``model_executor.driver_worker.worker.model_runner``).
+
+        Raises:
+            AttributeError: when the runners live in worker processes (``MultiprocExecutor``).
+        """
+        worker = getattr(self.engine_core.model_executor, "driver_worker", None)
+        if worker is None or worker.model_runner is None:
+            raise AttributeError("this engine's model runners live in its worker processes "
+                                 "(tensor_parallel_size > 1): reach them with "
+                                 "engine.engine_core.model_executor.collective_rpc(fn), fn(worker) -> value")
+        return worker.model_runner
+
+    @property
+    def model(self) -> "LlamaForCausalLM":
+        """The driver worker's model (this rank's share under ``torchrun``); see ``model_runner``."""
+        return self.model_runner.model
 
     # ---- requests -------------------------------------------------------------------------------------------
     @property

@@ -1,7 +1,8 @@
 """Greedy generation with tensor parallelism under ``torchrun`` (vLLM's ``distributed_executor_backend=
 "external_launcher"``; its example is ``examples/offline_inference/torchrun_example.py``).
 
-Every rank runs this same script and the same engine (``minivllm.executor.external_launcher``); rank 0 prints.
+Every rank runs this same script and the same engine (``ExecutorWithExternalLauncher`` in
+``minivllm/executor/uniproc_executor.py``); rank 0 prints.
 One machine, two ranks::
 
     OMP_NUM_THREADS=1 torchrun --nproc-per-node=2 -m minivllm.entrypoints.torchrun_generate --model tiny-tp

@@ -2,7 +2,8 @@
 ``vllm/v1/executor/multiproc_executor.py``, ``MultiprocExecutor`` and ``WorkerProc``).
 
 The engine process keeps the scheduler and the KV cache manager (one of each, as with one device) and starts N
-worker processes with ``torch.multiprocessing`` (``spawn``). The workers form a ``torch.distributed`` group
+worker processes with ``torch.multiprocessing`` (``spawn``). Each worker process runs a ``Worker`` and answers the
+executor's calls (``Executor``: load, measure memory, allocate the KV cache, then one ``execute_model`` a step). The workers form a ``torch.distributed`` group
 (gloo on the CPU, NCCL on CUDA) through a TCP rendezvous on this machine; every tensor they exchange goes
 through it. Each step the executor pickles the ``SchedulerOutput`` once and sends it to every worker over its
 pipe; every rank runs the step, and rank 0 sends back the ``ModelRunnerOutput`` (the ranks' outputs are the same).
@@ -10,6 +11,15 @@ pipe; every rank runs the step, and rank 0 sends back the ``ModelRunnerOutput`` 
 Where minivllm differs from vLLM: vLLM broadcasts the scheduler output through a shared-memory ring buffer
 (``MessageQueue``) and collects replies on ZMQ sockets; minivllm uses one ``multiprocessing`` pipe per worker
 (only Python objects travel on it, never tensors).
+
+Why ``spawn``: vLLM 0.32 starts its workers with ``fork`` by default (``VLLM_WORKER_MULTIPROC_METHOD``) and
+switches to ``spawn`` when CUDA is already initialised (``_maybe_force_spawn``), since a forked child cannot use
+the parent's CUDA context. minivllm must always spawn: PyTorch's CPU wheels use GNU OpenMP, and a child forked
+after its parent ran one parallel region hangs at its own first one (measured here: a forked child's first
+matmul never returned). A spawned worker imports the script that built the engine again, as vLLM's spawned
+workers do, so that script must start the engine under ``if __name__ == "__main__":``; without the guard the
+worker stops at once and the executor raises with that explanation (vLLM's troubleshooting page, "Python
+multiprocessing", says the same).
 
 Failures: while it waits, the executor watches every worker's pipe and process handle. A worker that raises
 sends its traceback and exits; a worker that dies closes its pipe. Either way the executor kills every worker
@@ -24,7 +34,9 @@ from __future__ import annotations
 import multiprocessing.connection
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import sys
 import time
 import traceback
@@ -36,13 +48,26 @@ import torch.multiprocessing as torch_mp
 
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
+from minivllm.executor.abstract import Executor
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.worker.worker import Worker, config_for_worker
+from minivllm.worker.worker import Worker
 
 # Seconds a worker may take to start (spawn, import torch, join the group, load its share) and to run one step
 # (vLLM: VLLM_EXECUTE_MODEL_TIMEOUT_SECONDS, default 300). A step past it counts as a hang: every worker is killed.
 STARTUP_TIMEOUT_S = 300.0
 EXECUTE_MODEL_TIMEOUT_S = 300.0
+
+UNGUARDED_MAIN = (
+    "the script that started the engine was run again in a worker process: tensor_parallel_size > 1 starts its "
+    "workers with 'spawn', which imports the main script again, and this script builds the engine at import "
+    "time. Put the code that builds the engine under\n\n    if __name__ == \"__main__\":\n\n(vLLM's "
+    "troubleshooting page, 'Python multiprocessing', asks the same of scripts whose workers vLLM spawns)")
+
+
+def _spawned_child_importing_main() -> bool:
+    """True in a spawned child while it re-imports the parent's main script (multiprocessing sets
+    ``_inheriting`` on the process object for exactly that phase, ``multiprocessing/spawn.py``)."""
+    return bool(getattr(multiprocessing.current_process(), "_inheriting", False))
 
 
 def get_open_port() -> int:
@@ -58,9 +83,10 @@ class WorkerProc:
     @staticmethod
     def worker_main(vllm_config: VllmConfig, rank: int, distributed_init_method: str,
                     conn: multiprocessing.connection.Connection) -> None:
-        """Entry point of a spawned worker. Messages from the engine are ``(method, args, reply)``; ``method`` is a
-        ``Worker`` method name, ``"shutdown"``, or a function called as ``method(worker, *args)``
-        (``collective_rpc``). Replies are ``("ready", pid)``, ``("output", result)`` or ``("error", text)``."""
+        """Entry point of a spawned worker: init the device and load the model, then answer calls. Messages from
+        the engine are ``(method, args, reply)``; ``method`` is a ``Worker`` method name, ``"shutdown"``, or a
+        function called as ``method(worker, *args)`` (``collective_rpc``). Replies are ``("ready", pid)``,
+        ``("output", result)`` or ``("error", text)``."""
         n = vllm_config.parallel_config.tensor_parallel_size
         if torch.device(vllm_config.device).type == "cpu":
             # N ranks share this machine's cores: OMP_NUM_THREADS if set, else an equal share each.
@@ -96,6 +122,19 @@ class WorkerProc:
         os._exit(exit_code)
 
 
+_ERROR_FILE_ENV = "MINIVLLM_WORKER_ERROR_FILE"
+
+
+def _report_unguarded_main() -> None:
+    path = os.environ.get(_ERROR_FILE_ENV)
+    if path:
+        try:
+            with open(path, "w") as f:
+                f.write(UNGUARDED_MAIN)
+        except OSError:
+            pass
+
+
 def _kill_workers(procs: List[Any], graceful: bool) -> None:
     """Join the worker processes; terminate, then kill, any still alive after a short wait."""
     if graceful:
@@ -112,24 +151,30 @@ def _kill_workers(procs: List[Any], graceful: bool) -> None:
             p.join()
 
 
-class MultiprocExecutor:
+class MultiprocExecutor(Executor):
     """Runs each step on ``tensor_parallel_size`` worker processes (see the module docstring).
 
     Args:
-        vllm_config: with ``parallel_config.tensor_parallel_size > 1`` and ``model_config``/``load_config`` set
-            (``EngineArgs`` does both).
+        vllm_config: the engine's config (``parallel_config.tensor_parallel_size`` ranks), sent to every worker
+            as it is.
 
     Raises:
-        RuntimeError: a worker failed to start (its traceback included); nothing is left running.
+        RuntimeError: a worker failed to start (its traceback included, or why a script needs its
+            ``__main__`` guard); nothing is left running.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def _init_executor(self) -> None:
+        vllm_config = self.vllm_config
+        if _spawned_child_importing_main():
+            # Starting workers from here would recurse; multiprocessing would raise its own, vaguer error.
+            _report_unguarded_main()
+            raise RuntimeError(f"tensor parallelism: {UNGUARDED_MAIN}")
         self.world_size = vllm_config.parallel_config.tensor_parallel_size
         self.is_failed = False
         self._failure: Optional[str] = None
         ctx = torch_mp.get_context("spawn")
         init_method = f"tcp://127.0.0.1:{get_open_port()}"
-        worker_config = config_for_worker(vllm_config)
+        self._error_dir = tempfile.mkdtemp(prefix="minivllm-tp-")
         self.procs: List[Any] = []
         self.conns: List[multiprocessing.connection.Connection] = []
         # Whatever happens to this object (garbage collection, interpreter exit), no worker outlives it.
@@ -138,8 +183,14 @@ class MultiprocExecutor:
             for rank in range(self.world_size):
                 parent_conn, child_conn = ctx.Pipe(duplex=True)
                 proc = ctx.Process(target=WorkerProc.worker_main, name=f"minivllm-TP-worker-{rank}", daemon=True,
-                                   args=(worker_config, rank, init_method, child_conn))
-                proc.start()
+                                   args=(vllm_config, rank, init_method, child_conn))
+                # A worker that dies while it re-imports the main script cannot use its pipe yet: it leaves its
+                # reason in this file, which the child inherits through the environment.
+                os.environ[_ERROR_FILE_ENV] = os.path.join(self._error_dir, f"rank{rank}")
+                try:
+                    proc.start()
+                finally:
+                    os.environ.pop(_ERROR_FILE_ENV, None)
                 child_conn.close()  # the engine keeps only its end: the pipe closes when the worker dies
                 self.procs.append(proc)
                 self.conns.append(parent_conn)
@@ -207,8 +258,7 @@ class MultiprocExecutor:
                     try:
                         kind, payload = obj.recv()
                     except (EOFError, OSError):
-                        self._fail(f"rank {rank} (pid {self.procs[rank].pid}) exited during {what} "
-                                   f"(exit code {self._exitcode(rank)})")
+                        self._fail(self._exit_message(rank, what))
                     if kind == "error":
                         self._fail(f"worker failed during {what}: {payload}")
                     results[rank] = payload
@@ -218,9 +268,17 @@ class MultiprocExecutor:
                     conn = self.conns[rank]
                     if conn.poll():
                         continue  # read its last message on the next pass
-                    self._fail(f"rank {rank} (pid {self.procs[rank].pid}) exited during {what} "
-                               f"(exit code {self._exitcode(rank)})")
+                    self._fail(self._exit_message(rank, what))
         return results
+
+    def _exit_message(self, rank: int, what: str) -> str:
+        """Why a worker exited without a reply: its own report when it left one, else its exit code."""
+        message = f"rank {rank} (pid {self.procs[rank].pid}) exited during {what} (exit code {self._exitcode(rank)})"
+        try:
+            with open(os.path.join(self._error_dir, f"rank{rank}")) as f:
+                return f"{message}: {f.read()}"
+        except OSError:
+            return message
 
     def _exitcode(self, rank: int) -> Optional[int]:
         self.procs[rank].join(1.0)
@@ -243,6 +301,7 @@ class MultiprocExecutor:
         for conn in self.conns:
             conn.close()
         self.conns.clear()
+        shutil.rmtree(getattr(self, "_error_dir", ""), ignore_errors=True)
 
     def shutdown(self) -> None:
         """Stop every worker (asked first, then terminated, then killed) and wait for them; idempotent."""

@@ -83,7 +83,8 @@ class ModelInputs:
         states: their ``CachedRequestState``, same order.
         input_ids: ``int64 [T]``.
         common_attn_metadata: the batch as every attention backend sees it (positions, slots, block table, ...).
-        attn_metadata: the runner's backend's metadata, built from it.
+        attn_metadata: the runner's backend's metadata, built from it by ``execute_model`` for an eager step
+            (``None`` before that, and for a step replayed from a CUDA graph, which builds its own).
         logits_indices: ``int64 [R]``: the last scheduled token of each request (``query_start_loc[1:] - 1``).
         discard: ``R`` bools, True where the sampled token is thrown away (a partial prefill).
     """
@@ -92,6 +93,6 @@ class ModelInputs:
     states: List[CachedRequestState]
     input_ids: torch.Tensor
     common_attn_metadata: CommonAttentionMetadata
-    attn_metadata: AttentionMetadata
+    attn_metadata: Optional[AttentionMetadata]
     logits_indices: torch.Tensor
     discard: List[bool]

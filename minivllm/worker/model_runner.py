@@ -26,6 +26,7 @@ from minivllm import custom_ops
 from minivllm.attention.backend import CommonAttentionMetadata
 from minivllm.attention.selector import get_attn_backend
 from minivllm.core.sched.output import SchedulerOutput
+from minivllm.kv_cache_interface import FullAttentionSpec
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.core.sched.output import block_updates
@@ -85,7 +86,8 @@ class ModelRunner:
 
     Args:
         model: a ``LlamaForCausalLM``.
-        num_gpu_blocks: blocks per layer that the scheduler hands out.
+        num_gpu_blocks: blocks per layer that the scheduler hands out; ``None``: the KV cache is allocated later,
+            by ``initialize_kv_cache`` (the ``Worker`` does so once the engine core has sized the pool).
         block_size: tokens per block.
         device: torch device of the model and cache.
         seed: seed of the shared generator used by requests without their own ``seed``.
@@ -98,7 +100,7 @@ class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        num_gpu_blocks: int,
+        num_gpu_blocks: Optional[int],
         block_size: int,
         device: torch.device,
         seed: int = 0,
@@ -109,8 +111,7 @@ class ModelRunner:
         self.model = model
         self.device = torch.device(device)
         self.block_size = block_size
-        self.num_gpu_blocks = num_gpu_blocks
-        self.scratch_block_id = num_gpu_blocks
+        self.enforce_eager = enforce_eager
         self.dtype = next(model.parameters()).dtype
         cfg = model.config
         # This rank's heads (all of them on one device; a share under tensor parallelism: QKVParallelLinear).
@@ -124,24 +125,77 @@ class ModelRunner:
         # The norms, SwiGLU and RoPE too (CustomOp): chosen here once, re-applied if another runner changed them.
         self.custom_op_dispatch = (self.device.type, custom_ops.use_cpu_kernels(self.device, self.dtype))
         self.model.set_custom_op_dispatch(*self.custom_op_dispatch)
-        self.max_num_blocks_per_req = min(num_gpu_blocks, -(-cfg.max_position_embeddings // block_size))
         self.requests: Dict[str, CachedRequestState] = {}
-        self.input_batch = InputBatch(block_size, self.max_num_blocks_per_req, self.scratch_block_id)
-        shape = (2, num_gpu_blocks + 1, block_size, self.num_kv_heads, cfg.head_dim)
-        # One tensor per layer: [K|V, block, offset in block, kv head, head dim]. Under tensor parallelism each
-        # rank's cache holds its own KV heads only, under the same block ids (the scheduler's block tables).
-        self.kv_caches: List[torch.Tensor] = [
-            torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)
-        ]
+        self.kv_caches: List[torch.Tensor] = []
         self.graph_runner: Optional[DecodeGraphRunner] = None
-        if self.device.type == "cuda" and not enforce_eager and self.attn_backend.supports_cudagraph:
-            self.enable_decode_graphs()
         self.shared_generator = torch.Generator(device=self.device).manual_seed(seed)
         self.sampler = Sampler(self.shared_generator)
         self.connector = connector
         self.keep_logits = False
         self.keep_hidden_states = False
-        self.last_inputs: Optional[StepInputs] = None
+        # The last step's batch, kept as references; ``last_inputs`` builds the StepInputs only when asked.
+        self._last_step: Optional[Tuple[ModelInputs, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]] = None
+        self._last_inputs: Optional[StepInputs] = None
+        if num_gpu_blocks is not None:
+            self.initialize_kv_cache(num_gpu_blocks)
+            self.capture_model()
+
+    def get_kv_cache_spec(self) -> FullAttentionSpec:
+        """What one block of this runner's cache holds (vLLM ``GPUModelRunner.get_kv_cache_spec``)."""
+        cfg = self.model.config
+        return FullAttentionSpec(self.block_size, self.num_kv_heads, cfg.head_dim,
+                                 torch.finfo(self.dtype).bits // 8, cfg.num_hidden_layers)
+
+    def initialize_kv_cache(self, num_gpu_blocks: int) -> None:
+        """Allocate every layer's cache of ``num_gpu_blocks`` blocks, plus the scratch block, and the block table
+        (vLLM ``GPUModelRunner.initialize_kv_cache``).
+
+        Raises:
+            RuntimeError: when called twice.
+        """
+        if self.kv_caches:
+            raise RuntimeError("the KV cache is already allocated")
+        cfg = self.model.config
+        self.num_gpu_blocks = num_gpu_blocks
+        self.scratch_block_id = num_gpu_blocks
+        self.max_num_blocks_per_req = min(num_gpu_blocks, -(-cfg.max_position_embeddings // self.block_size))
+        self.input_batch = InputBatch(self.block_size, self.max_num_blocks_per_req, self.scratch_block_id)
+        shape = (2, num_gpu_blocks + 1, self.block_size, self.num_kv_heads, cfg.head_dim)
+        # One tensor per layer: [K|V, block, offset in block, kv head, head dim]. Under tensor parallelism each
+        # rank's cache holds its own KV heads only, under the same block ids (the scheduler's block tables).
+        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+
+    def capture_model(self, max_num_seqs: int = 256) -> None:
+        """Set up CUDA-graph replay of pure-decode steps of up to ``max_num_seqs`` requests, when this runner
+        replays graphs (CUDA, not ``enforce_eager``, a backend that supports them); else nothing.
+
+        Where minivllm differs from vLLM: vLLM's ``capture_model`` captures every batch size at start-up. A
+        minivllm graph also fixes the block-table width, a power of two of blocks, so it is captured the first
+        time a decode step of that (batch, width) bucket runs (``DecodeGraphRunner``), and replayed after.
+        """
+        if self.device.type == "cuda" and not self.enforce_eager and self.attn_backend.supports_cudagraph:
+            self.enable_decode_graphs(max_batch=max_num_seqs)
+
+    @property
+    def last_inputs(self) -> Optional[StepInputs]:
+        """The flattened batch of the last step that ran the model, for inspection (``StepInputs``), or ``None``.
+        Built from the step's own tensors when read, so that a step no one inspects pays nothing for it."""
+        if self._last_inputs is None and self._last_step is not None:
+            inputs, logits, sampled, hidden = self._last_step
+            cm = inputs.common_attn_metadata
+            self._last_inputs = StepInputs(
+                req_ids=inputs.req_ids, input_ids=inputs.input_ids, positions=cm.positions,
+                query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
+                num_computed_tokens=torch.tensor(cm.num_computed_tokens_cpu, device=self.device),
+                block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
+                logits_indices=inputs.logits_indices, discard_mask=torch.tensor(inputs.discard),
+                logits=logits, sampled=sampled, hidden_states=hidden,
+            )
+        return self._last_inputs
+
+    @last_inputs.setter
+    def last_inputs(self, value: Optional[StepInputs]) -> None:
+        self._last_step, self._last_inputs = None, value
 
     def enable_decode_graphs(self, max_batch: int = 256, emulate: bool = False) -> None:
         """Replay pure-decode steps from CUDA graphs (``minivllm.worker.cuda_graphs``); on by default on CUDA
@@ -217,7 +271,7 @@ class ModelRunner:
             states=states,
             input_ids=t(np.concatenate([np.asarray(x, dtype=np.int64) for x in ids])),
             common_attn_metadata=cm,
-            attn_metadata=self.attn_metadata_builder.build(cm),
+            attn_metadata=None,
             logits_indices=cm.query_start_loc[1:] - 1,
             discard=[n < len(s.token_ids) for n, s in zip(cm.seq_lens_cpu, states)],
         )
@@ -239,20 +293,22 @@ class ModelRunner:
 
         inputs = self._prepare_inputs(so)
         req_ids, input_ids = inputs.req_ids, inputs.input_ids
-        cm, md = inputs.common_attn_metadata, inputs.attn_metadata
+        cm = inputs.common_attn_metadata
         if self.model.attn_backend is not self.attn_backend:
             self.model.set_attention_backend(self.attn_backend)  # another engine shares this model
         if self.model.custom_op_dispatch != self.custom_op_dispatch:
             self.model.set_custom_op_dispatch(*self.custom_op_dispatch)
-        if self.connector is not None:
-            conn = self.connector
-            self.model.layer_hooks = [lambda layer, kv_cache: conn.save_kv_layer(layer, kv_cache, md)]
         hidden = None
         if self.graph_runner is not None and self.connector is None and cm.max_query_len == 1:
             hidden = self.graph_runner.run(input_ids, cm)  # None when the batch is too large to replay
             if hidden is not None and self.keep_hidden_states:
                 hidden = hidden.clone()  # the graph's output buffer is overwritten by the next replay
         if hidden is None:
+            # The backend's metadata, built only for an eager step: a replayed graph has its own.
+            md = inputs.attn_metadata = self.attn_metadata_builder.build(cm)
+            if self.connector is not None:
+                conn = self.connector
+                self.model.layer_hooks = [lambda layer, kv_cache: conn.save_kv_layer(layer, kv_cache, md)]
             try:
                 hidden = self.model(input_ids, cm.positions, self.kv_caches, md)
             finally:
@@ -264,23 +320,11 @@ class ModelRunner:
         logits_indices = inputs.logits_indices
         logits = self.model.compute_logits(hidden[logits_indices])
 
-        sampled, out_ids, discard = self._sample(inputs, logits)
+        sampled, out_ids, _ = self._sample(inputs, logits)
 
-        self.last_inputs = StepInputs(
-            req_ids=req_ids,
-            input_ids=input_ids,
-            positions=cm.positions,
-            query_start_loc=cm.query_start_loc,
-            seq_lens=cm.seq_lens,
-            num_computed_tokens=torch.tensor(cm.num_computed_tokens_cpu, device=self.device),
-            block_table=cm.block_table_tensor,
-            slot_mapping=cm.slot_mapping,
-            logits_indices=logits_indices,
-            discard_mask=torch.tensor(discard),
-            logits=logits if self.keep_logits else None,
-            sampled=sampled,
-            hidden_states=hidden if self.keep_hidden_states else None,
-        )
+        self._last_inputs = None
+        self._last_step = (inputs, logits if self.keep_logits else None, sampled,
+                           hidden if self.keep_hidden_states else None)
         return ModelRunnerOutput(
             req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending
         )

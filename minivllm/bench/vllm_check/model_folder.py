@@ -17,11 +17,11 @@ FOLDER_NAME = "SmolLM2-135M-Instruct-float32"
 
 
 def default_folder() -> str:
-    """``$MINIVLLM_VLLM_CHECK_MODEL`` or ``~/.cache/minivllm/vllm_check/SmolLM2-135M-Instruct-float32``."""
-    env = os.environ.get("MINIVLLM_VLLM_CHECK_MODEL")
-    if env:
-        return env
-    return os.path.join(os.path.expanduser("~"), ".cache", "minivllm", "vllm_check", FOLDER_NAME)
+    """``$MINIVLLM_VLLM_CHECK_MODEL`` or ``$MINIVLLM_CACHE/vllm_check/SmolLM2-135M-Instruct-float32``
+    (``minivllm.envs``; ``MINIVLLM_CACHE`` defaults to ``~/.cache/minivllm``)."""
+    from minivllm import envs
+
+    return envs.MINIVLLM_VLLM_CHECK_MODEL
 
 
 def ensure_model_folder(folder: Optional[str] = None, gguf_path: Optional[str] = None) -> str:
