@@ -8,6 +8,7 @@ is bounded in time and every loop in count.
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 import time
 
@@ -18,7 +19,7 @@ pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
 import uvicorn  # noqa: E402
 
-from minivllm import LLM, LLMEngine  # noqa: E402
+from minivllm import LLM, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
 
@@ -68,7 +69,8 @@ def test_keep_alive_requests_are_not_delayed_by_nagle(tiny):
             assert client.get("/v1/models").status_code == 200
             times.append(time.perf_counter() - t0)
     times.sort()
-    assert times[len(times) // 2] < 0.005, times
+    # Nagle makes every one of them >= 40 ms; a busy machine may slow some, not all.
+    assert times[0] < 0.005 and times[len(times) // 2] < 0.02, times
 
 
 def test_with_cancellation_answers_499_when_the_client_left():
@@ -95,3 +97,294 @@ def test_with_cancellation_answers_499_when_the_client_left():
 
     resp = asyncio.run(main())
     assert resp.status_code == 499 and cleaned == [True]
+
+
+def _post(server, body, path="/v1/completions", **kw):
+    """POST ``body`` (bytes as they are; else JSON with non-ASCII escaped, which lets a lone surrogate through)."""
+    if not isinstance(body, bytes):
+        body = json.dumps(body).encode()
+    kw.setdefault("headers", {"content-type": "application/json"})
+    return httpx.post(server.base + path, content=body, timeout=60, **kw)
+
+
+def _assert_error(r, status, param=None, contains=""):
+    assert r.status_code == status, (r.status_code, r.text[:300])
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["code"] == status, err
+    assert err["param"] == param and contains in err["message"], err
+    return err
+
+
+def test_error_messages_echo_a_bounded_part_of_the_bad_input(tiny):
+    # vLLM truncates the echoed value; a 500 KB bad field used to come back whole.
+    _async_llm, server = tiny
+    big = "x" * 500_000
+    for body in ({"prompt": [1, 2], "temperature": big}, {"prompt": [1, 2], "stop_token_ids": [big]},
+                 {"prompt": [1, 2], "max_tokens": [1] * 100_000}, {"prompt": big + "\ud800", "max_tokens": 2}):
+        r = _post(server, body)
+        assert r.status_code == 400 and len(r.content) < 2000, (r.status_code, len(r.content))
+
+
+def test_bodies_json_cannot_hold_get_openai_errors(tiny):
+    # FastAPI answers these with {"detail": ...}; vLLM's handlers give its own error body.
+    _async_llm, server = tiny
+    for body in (b'{"prompt": [1, 2], "model": "\xff\xfe"}', b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}",
+                 b"[" * 100_000 + b"]" * 100_000):
+        err = _assert_error(_post(server, body), 400)
+        assert "not valid JSON" in err["message"] and len(err["message"]) < 1000, err
+    _assert_error(httpx.get(server.base + "/v1/nothing", timeout=10), 404)
+
+
+def test_content_type_is_checked_by_the_server(tiny):
+    # Refusing non-JSON bodies must not depend on FastAPI's default (strict_content_type, FastAPI >= 0.132).
+    _async_llm, server = tiny
+    body = json.dumps({"prompt": [1, 2], "max_tokens": 2}).encode()
+    for headers in ({"content-type": "text/plain"}, {"content-type": "application/x-www-form-urlencoded"}, {}):
+        r = httpx.post(server.base + "/v1/completions", content=body, headers=headers, timeout=30)
+        _assert_error(r, 400, None, "Only 'application/json' is allowed")
+    assert _post(server, body, headers={"content-type": "application/json; charset=utf-8"}).status_code == 200
+
+
+@pytest.mark.parametrize("field,value", [("frequency_penalty", 0.5), ("presence_penalty", -1.0),
+                                         ("repetition_penalty", 1.2), ("logit_bias", {"5": -100}),
+                                         ("response_format", {"type": "json_object"}),
+                                         ("tools", [{"type": "function", "function": {"name": "f"}}]),
+                                         ("tool_choice", "required")])
+def test_fields_the_engine_cannot_honour_are_refused(tiny, field, value):
+    _async_llm, server = tiny
+    _assert_error(_post(server, {"prompt": [1, 2], "max_tokens": 2, field: value}), 400, field, field)
+    neutral = {"frequency_penalty": 0.0, "presence_penalty": 0, "repetition_penalty": 1.0, "logit_bias": {},
+               "response_format": {"type": "text"}, "tools": [], "tool_choice": "none"}[field]
+    assert _post(server, {"prompt": [1, 2], "max_tokens": 2, field: neutral}).status_code == 200
+
+
+async def _neighbour(base, started, path="/v1/completions", max_tokens=200):
+    """A streaming request; returns (token ids, finish reason, longest gap between two chunks in seconds)."""
+    body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "return_token_ids": True}
+    got, finish, gap = [], None, 0.0
+    async with httpx.AsyncClient(base_url=base, timeout=60) as client:
+        async with client.stream("POST", path, json=body) as resp:
+            assert resp.status_code == 200
+            last = None
+            async for line in resp.aiter_lines():
+                if line.startswith("data: {"):
+                    now = time.perf_counter()
+                    if last is not None:
+                        gap = max(gap, now - last)
+                    last = now
+                    choice = json.loads(line[6:])["choices"][0]
+                    got += choice["token_ids"]
+                    finish = choice.get("finish_reason") or finish
+                    started.set()
+    return got, finish, gap
+
+
+def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
+    # A 50 MB body of token ids was parsed and checked on the event loop (and the engine thread), freezing every
+    # stream for seconds; a 1 MB list of ids ending in a string made pydantic build a million errors (~10 s).
+    async_llm, server = tiny
+    ids_50mb = b'{"model": "tiny", "max_tokens": 2, "prompt": [' + b"1," * 25_000_000 + b"1]}"
+    ids_then_str = b'{"model": "tiny", "max_tokens": 2, "prompt": [' + b"1," * 500_000 + b'"x"]}'
+    msgs = b'{"model": "tiny", "messages": [' + b"1," * 500_000 + b"1]}"
+
+    async def main():
+        started = asyncio.Event()
+        neighbour = asyncio.create_task(_neighbour(server.base, started))
+        await asyncio.wait_for(started.wait(), 30)
+        answers = []
+        async with httpx.AsyncClient(base_url=server.base, timeout=60) as client:
+            for path, body in (("/v1/completions", ids_50mb), ("/v1/completions", ids_then_str),
+                               ("/v1/chat/completions", msgs)):
+                t0 = time.perf_counter()
+                r = await client.post(path, content=body, headers={"content-type": "application/json"})
+                answers.append((r.status_code, r.json(), time.perf_counter() - t0))
+        assert not neighbour.done()  # the bad requests were answered while the neighbour streamed
+        return answers, await asyncio.wait_for(neighbour, 60)
+
+    answers, (tokens, finish, gap) = asyncio.run(main())
+    assert answers[0][0] == 413 and answers[0][1]["error"]["type"] == "RequestEntityTooLargeError", answers[0][:2]
+    assert answers[1][0] == 400 and "prompt[500000] must be a token id" in answers[1][1]["error"]["message"]
+    assert answers[2][0] == 400 and answers[2][1]["error"]["param"] == "messages"
+    assert all(t < 5 for *_x, t in answers), [t for *_x, t in answers]
+    assert len(tokens) == 200 and finish == "length"
+    assert gap < 0.5, gap
+
+
+def test_prompt_over_max_model_len_is_refused_before_the_engine(tiny, monkeypatch):
+    async_llm, server = tiny
+    seen = []
+    add = async_llm.engine.add_request
+    monkeypatch.setattr(async_llm.engine, "add_request", lambda rid, prompt, *a, **k: (seen.append(rid),
+                                                                                      add(rid, prompt, *a, **k))[1])
+    for stream in (False, True):
+        _assert_error(_post(server, {"prompt": [5] * (MAX_MODEL_LEN + 1), "stream": stream}), 400, "prompt",
+                      f"max_model_len ({MAX_MODEL_LEN})")
+    assert seen == []
+    assert _post(server, {"prompt": [5] * 10, "max_tokens": 1}).status_code == 200 and len(seen) == 1
+
+
+def test_rejected_prompts_are_freed_without_a_garbage_collection(tiny):
+    # The engine's ValueError came back through a future held by a frame in its own traceback (and a task held
+    # by with_cancellation's frame): reference cycles that kept each rejected prompt until a collection ran.
+    import gc
+
+    _async_llm, server = tiny
+    marker = 433
+    prompts = [[marker] * 100 + [600],  # out of the vocabulary: refused by the engine thread
+               [marker] * (MAX_MODEL_LEN + 50)]  # too long: refused by the server
+    gc.collect()
+    gc.disable()
+    try:
+        for stream in (False, True):
+            for prompt in prompts:
+                assert _post(server, {"prompt": prompt, "max_tokens": 2, "stream": stream}).status_code == 400
+        time.sleep(0.2)
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        leaked = [o for o in gc.garbage for r in [o, *gc.get_referents(o)]
+                  if isinstance(r, list) and len(r) >= 100 and r[0] == marker and r[1] == marker]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+    assert not leaked, f"{len(leaked)} objects in reference cycles hold a rejected prompt"
+
+
+def test_metrics_gauges_after_aborts_and_vllm_families(tiny):
+    async_llm, server = tiny
+    body = {"model": "tiny", "prompt": [1, 2, 3, 4], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.Client(timeout=30) as client:
+        with client.stream("POST", server.base + "/v1/completions", json=body) as resp:
+            for i, _line in enumerate(resp.iter_lines()):
+                if i >= 6:
+                    break
+    deadline = time.monotonic() + 10
+    while async_llm.engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    assert async_llm.stats.num_running_reqs >= 0  # the engine's own snapshot may still count the aborted one
+    text = httpx.get(server.base + "/metrics", timeout=10).text
+    values = {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+              if line.startswith("vllm:") and "{" in line}
+    assert values["vllm:num_requests_running"] == 0 and values["vllm:num_requests_waiting"] == 0
+    assert values["vllm:kv_cache_usage_perc"] == 0
+    for family in ("vllm:prompt_tokens_total", "vllm:generation_tokens_total", "vllm:e2e_request_latency_seconds_count",
+                   "vllm:request_success_total", "vllm:time_to_first_token_seconds_count",
+                   "vllm:inter_token_latency_seconds_count", "vllm:num_preemptions_total"):
+        assert family in values, family
+    assert 'finished_reason="abort"' in text
+
+
+def test_real_tokenizer_lone_surrogate_and_text_length(real_llm):
+    # A lone surrogate made the tokenizer raise TypeError on the engine thread: a 500 (which openai retries).
+    eng = real_llm.llm_engine
+    async_llm = AsyncLLM(LLMEngine(eng.model, tokenizer=eng.tokenizer, num_gpu_blocks=64, max_model_len=512))
+    server = ServerThread(build_app(async_llm, "m"))
+    try:
+        bad = "Hello \ud800 world"
+        for stream in (False, True):
+            _assert_error(_post(server, {"prompt": bad, "max_tokens": 2, "stream": stream}), 400, "prompt",
+                          "lone surrogate U+D800")
+            _assert_error(_post(server, {"messages": [{"role": "user", "content": bad}], "max_tokens": 2,
+                                         "stream": stream}, "/v1/chat/completions"), 400, "messages", "surrogate")
+        # Longer than max_model_len tokens of the longest vocabulary entry: refused without tokenizing it.
+        from minivllm.entrypoints.openai.serving_engine import max_chars_per_token
+        limit = 512 * max_chars_per_token(eng.tokenizer)
+        _assert_error(_post(server, {"prompt": "a" * (limit + 1)}), 400, "prompt", "characters")
+        _assert_error(_post(server, {"prompt": "hello " * 600}), 400, "prompt", "max_model_len (512)")
+        r = _post(server, {"prompt": "The capital of France is", "max_tokens": 3, "temperature": 0,
+                           "return_token_ids": True})
+        want = real_llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=3),
+                                 use_tqdm=False)[0]
+        assert r.status_code == 200 and r.json()["choices"][0]["token_ids"] == want.outputs[0].token_ids
+        assert r.json()["prompt_token_ids"] == want.prompt_token_ids
+    finally:
+        server.stop()
+        async_llm.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread raises
+def test_dead_engine_sends_error_events_and_the_server_exits_non_zero(tiny):
+    # An engine whose loop raised ended each stream like a normal abort (200, "abort", [DONE]) and the server
+    # answered 503 for ever; vLLM sends an error and shuts the server down.
+    from minivllm.entrypoints.openai.api_server import run_server
+
+    ref_async, _server = tiny
+    engine = LLMEngine(ref_async.engine.model, num_gpu_blocks=NUM_BLOCKS, max_model_len=MAX_MODEL_LEN)
+    step, calls = engine.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) > 20:
+            raise RuntimeError("a worker died")
+        return step()
+
+    engine.step = failing_step
+    async_llm = AsyncLLM(engine)
+    sock = create_server_socket("127.0.0.1", 0)
+    base = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    rc = []
+    thread = threading.Thread(target=lambda: rc.append(run_server(async_llm, "tiny", "127.0.0.1", 0, sock=sock)),
+                              daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            if httpx.get(base + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+
+    async def main():
+        body = {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 200, "ignore_eos": True}
+        async with httpx.AsyncClient(base_url=base, timeout=30) as client:
+            async def stream():
+                lines = []
+                async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as resp:
+                    async for line in resp.aiter_lines():
+                        if line:
+                            lines.append(line)
+                return lines
+            return await asyncio.gather(stream(), client.post("/v1/completions", json=body))
+
+    lines, whole = asyncio.run(main())
+    assert lines[-1] == "data: [DONE]"
+    err = json.loads(lines[-2][6:])["error"]
+    assert err["code"] == 500 and "engine died" in err["message"], lines[-3:]
+    assert all('"abort"' not in line for line in lines)
+    assert whole.status_code == 500 and "engine died" in whole.json()["error"]["message"]
+    thread.join(15)
+    assert not thread.is_alive() and rc == [1]
+
+
+def test_server_options_env_key_docs_and_cors(tiny, monkeypatch):
+    async_llm, _server = tiny
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    server = ServerThread(build_app(async_llm, "tiny", disable_fastapi_docs=True,
+                                    allowed_origins=["http://app.example"]))
+    try:
+        assert httpx.get(server.base + "/v1/models", timeout=10).status_code == 401
+        ok = httpx.get(server.base + "/v1/models", headers={"Authorization": "Bearer from-env",
+                                                                "Origin": "http://app.example"}, timeout=10)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+        for path in ("/docs", "/redoc", "/openapi.json"):
+            assert httpx.get(server.base + path, timeout=10).status_code == 404
+        pre = httpx.options(server.base + "/v1/completions", timeout=10, headers={
+            "Origin": "http://app.example", "Access-Control-Request-Method": "POST"})
+        assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "http://app.example"
+        pre = httpx.options(server.base + "/v1/completions", timeout=10, headers={
+            "Origin": "http://evil.example", "Access-Control-Request-Method": "POST"})
+        assert "access-control-allow-origin" not in pre.headers
+    finally:
+        server.stop()
+    monkeypatch.delenv("VLLM_API_KEY")
+    server = ServerThread(build_app(async_llm, "tiny"))
+    try:
+        assert httpx.get(server.base + "/docs", timeout=10).status_code == 200
+        r = httpx.get(server.base + "/v1/models", headers={"Origin": "http://app.example"}, timeout=10)
+        assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
+    finally:
+        server.stop()

@@ -7,44 +7,148 @@ events), ``GET /health`` (200 while the engine runs, 503 after), ``GET /metrics`
 ``metrics.py``). With an API key every ``/v1`` route needs ``Authorization: Bearer <key>`` (401 otherwise);
 ``/health`` and ``/metrics`` stay open, as in vLLM.
 
-Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``: 400 for bad JSON, a field of the wrong
-type, a value out of range or a prompt over ``max_model_len``; 404 for a model this server does not serve; 401 for
-a missing or wrong key; 503 once the engine is shut down. Where minivllm differs from vLLM: vLLM's 401 body is
-``{"error": "Unauthorized"}``; minivllm uses the same OpenAI shape as its other errors.
+Errors have OpenAI's body ``{"error": {"message", "type", "param", "code"}}``, also for what FastAPI and Starlette
+refuse themselves (a body that is not UTF-8, an integer of more than 4,300 digits, JSON nested too deep, an unknown
+route), as in vLLM (``vllm/entrypoints/serve/exception_handling/``): 400 for bad JSON, a body that is not
+``application/json`` (checked here, as vLLM's ``validate_json_request`` does, not left to FastAPI's default), a
+field of the wrong type, a value out of range, a prompt over ``max_model_len`` or text no tokenizer takes (a lone
+surrogate); 404 for a model this server does not serve; 401 for a missing or wrong key; 413 for a body larger than
+any prompt within ``max_model_len`` could need; 500 when the engine died under the request; 503 once the engine is
+shut down. Messages echo at most a bounded part of the bad input, as vLLM's do. Where minivllm differs from vLLM:
+vLLM's 401 body is ``{"error": "Unauthorized"}``; minivllm uses the same OpenAI shape as its other errors. vLLM
+parses a body of any size; minivllm refuses one over ``max_body_bytes`` before parsing it, so that a 50 MB body
+costs the event loop nothing but its reading.
 
 Shutdown (SIGINT or SIGTERM): the engine aborts every request in flight first, so that each open stream ends
 (``finish_reason: "abort"``, then ``data: [DONE]``) and uvicorn's graceful shutdown finds no connection left to wait
-for; then the process exits. vLLM's server instead cancels its server task and shuts the engine-core process down.
+for; then the process exits with status 0. vLLM's server instead cancels its server task and shuts the engine-core
+process down. An engine that dies (its loop raised) sends open streams an error event and the server stops with
+status 1, so that a supervisor restarts it (vLLM: ``terminate_if_errored`` in
+``vllm/entrypoints/launchers/launcher.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
+import logging
+import os
 import secrets
 import socket
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from typing import Any, Awaitable, Optional
+from typing import Any, Awaitable, List, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from pydantic import BaseModel
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
-from minivllm.entrypoints.openai.serving_engine import RequestError
+from minivllm.entrypoints.openai.serving_engine import RequestError, engine_dead, truncate
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+logger = logging.getLogger("minivllm.serve")
+
+
+class _ErrorJSONResponse(JSONResponse):
+    """JSON with non-ASCII escaped: a message may quote a lone surrogate, which has no UTF-8 encoding."""
+
+    def render(self, content: Any) -> bytes:
+        return json.dumps(content, separators=(",", ":")).encode("ascii")
 
 
 def _error(e: RequestError) -> JSONResponse:
-    return JSONResponse(e.to_response().model_dump(), status_code=e.status.value)
+    return _ErrorJSONResponse(e.to_response().model_dump(), status_code=e.status.value)
+
+
+def _summarize_input(value: Any) -> str:
+    """A size-bounded stand-in for a rejected value (vLLM 0.32: ``_summarize_error_input`` in
+    ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``): containers are described, not rendered."""
+    if isinstance(value, str):
+        return repr(truncate(value, 200))
+    if isinstance(value, (bytes, bytearray)):
+        return f"<{type(value).__name__} of {len(value)} bytes>"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"<{type(value).__name__} of {len(value)} items>"
+    try:
+        return truncate(repr(value), 200)
+    except Exception:  # an int past sys.get_int_max_str_digits()
+        return f"<{type(value).__name__}>"
+
+
+def max_body_bytes(max_model_len: int, chars_per_token: int) -> int:
+    """The largest request body worth parsing: ``max_model_len`` tokens of the longest vocabulary entry, each
+    character escaped to 6 JSON bytes (``\\uXXXX``), 16 bytes per token id (digits, comma, indentation), and 1 MiB for
+    the other fields."""
+    return max_model_len * (6 * chars_per_token + 16) + (1 << 20)
+
+
+class RequestBodyGuard:
+    """Checks a POST body before anything parses it: its media type must be ``application/json`` (400, vLLM's
+    message) and its size at most ``max_bytes`` (413). The body is read here and replayed to the app.
+
+    An oversized body is still read to its end (and dropped) before the 413 is sent: a client such as httpx or
+    ``openai`` sends its whole body before it reads the answer, and a connection closed under it gives a
+    connection error (which ``openai`` retries) instead of the 413.
+    """
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app, self.max_bytes = app, max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") != "POST":
+            await self.app(scope, receive, send)
+            return
+        headers = dict(scope["headers"])
+        media_type = headers.get(b"content-type", b"").decode("latin-1").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            await _error(RequestError("Unsupported Media Type: Only 'application/json' is allowed"))(
+                scope, receive, send)
+            return
+        try:
+            declared = int(headers.get(b"content-length", b"-1"))
+        except ValueError:
+            declared = -1
+        chunks: List[bytes] = []
+        size, too_big = 0, declared > self.max_bytes
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            size += len(message.get("body", b""))
+            too_big = too_big or size > self.max_bytes
+            if too_big:
+                chunks.clear()
+            else:
+                chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        if too_big:
+            err = RequestError(f"the request body has {max(size, declared)} bytes, more than the {self.max_bytes} "
+                               "that a prompt within max_model_len can need", None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
+            await _error(err)(scope, receive, send)
+            return
+        body: Optional[bytes] = b"".join(chunks)
+        del chunks
+
+        async def replay() -> Message:
+            nonlocal body
+            if body is not None:
+                message, body = {"type": "http.request", "body": body, "more_body": False}, None
+                return message
+            return await receive()  # after the body: the disconnect, which with_cancellation waits for
+
+        await self.app(scope, replay, send)
 
 
 class AuthenticationMiddleware:
@@ -89,7 +193,16 @@ async def with_cancellation(raw_request: Request, coro: Awaitable[Any]) -> Any:
     finally:
         watch.cancel()
     if work in done:
-        return work.result()
+        error = work.exception()
+        if error is None:
+            return work.result()
+        # Raised from here, the error's traceback would hold this frame, which holds the task, which holds the
+        # error: a cycle keeping the request (and its prompt) alive until a garbage collection.
+        del work, done
+        try:
+            raise error
+        finally:
+            del error
     # cancel() only asks: the task is not cancelled until it runs again, so wait for it (its finally blocks
     # abort the request) instead of reading a result it does not have yet.
     work.cancel()
@@ -98,18 +211,35 @@ async def with_cancellation(raw_request: Request, coro: Awaitable[Any]) -> Any:
 
 
 def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NAME,
-              api_key: Optional[str] = None) -> FastAPI:
+              api_key: Optional[str] = None, *, allowed_origins: Sequence[str] = (),
+              allowed_methods: Sequence[str] = ("*",), allowed_headers: Sequence[str] = ("*",),
+              allow_credentials: bool = False, disable_fastapi_docs: bool = False) -> FastAPI:
     """The FastAPI application serving ``engine_client`` under ``served_model_name``.
+
+    ``api_key`` defaults to the ``VLLM_API_KEY`` environment variable, as in vLLM (a key on the command line is
+    visible to every user in ``ps``). ``allowed_origins`` etc. are vLLM's CORS options; where minivllm differs
+    from vLLM: with no origin given, no cross-origin request is allowed (vLLM allows ``*``), so that a web page
+    cannot use a server on the reader's machine. ``disable_fastapi_docs`` removes ``/docs``, ``/redoc`` and
+    ``/openapi.json``.
 
     Several apps may share one ``AsyncLLM`` (each stream is bound to the event loop that opened it).
     """
-    app = FastAPI(title="minivllm OpenAI-compatible server")
+    docs = {} if not disable_fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="minivllm OpenAI-compatible server", **docs)
     metrics = ServerMetrics(engine_client, served_model_name)
-    completion = OpenAIServingCompletion(engine_client, served_model_name, metrics)
-    chat = OpenAIServingChat(engine_client, served_model_name, metrics)
+    executor = ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenize")
+    completion = OpenAIServingCompletion(engine_client, served_model_name, metrics, executor)
+    chat = OpenAIServingChat(engine_client, served_model_name, metrics, executor)
     app.state.engine_client, app.state.metrics = engine_client, metrics
+    app.state.max_body_bytes = max_body_bytes(completion.max_model_len, completion.max_chars_per_token)
+    # Starlette runs the last middleware added first: CORS (answers preflights), then the key, then the body.
+    app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes)
+    api_key = api_key or os.environ.get("VLLM_API_KEY") or None
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_methods=list(allowed_methods),
+                           allow_headers=list(allowed_headers), allow_credentials=allow_credentials)
 
     @app.exception_handler(RequestError)
     async def _request_error(_: Request, e: RequestError) -> JSONResponse:
@@ -118,15 +248,34 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     @app.exception_handler(RequestValidationError)
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         # Bad JSON (loc ("body", <offset>)) and fields of the wrong type (loc ("body", "<field>", ...)) are 400s,
-        # as in vLLM (FastAPI's default is 422).
-        first: Any = (e.errors() or [{}])[0]
+        # as in vLLM (FastAPI's default is 422). Only the first error is described, its input summarized.
+        errors = e.errors()
+        first: Any = (errors or [{}])[0]
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
         if first.get("type") == "json_invalid":
             message, param = f"the request body is not valid JSON: {first.get('msg', '')}", None
         else:
             param = loc[0] if loc else None
-            message = f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}, got {first.get('input')!r}"
+            message = (f"{'.'.join(loc) or 'body'}: {first.get('msg', 'invalid value')}, got "
+                       f"{_summarize_input(first.get('input'))}")
+            if len(errors) > 1:
+                message += f" (and {len(errors) - 1} more errors)"
         return _error(RequestError(message, param))
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
+        # What FastAPI and Starlette refuse themselves: an unknown route (404), a wrong method (405), a body that
+        # json.loads raised on other than a JSONDecodeError (not UTF-8, a 5,000-digit int, nesting too deep).
+        message = str(e.detail)
+        cause = e.__cause__
+        if cause is not None:
+            message = f"the request body is not valid JSON: {type(cause).__name__}: {truncate(str(cause), 200)}"
+        status = HTTPStatus(e.status_code)
+        err = RequestError(message, None, status)
+        response = _error(err)
+        if e.headers:
+            response.headers.update(e.headers)
+        return response
 
     @app.get("/health")
     async def health() -> Response:
@@ -172,6 +321,15 @@ class _Server(uvicorn.Server):
     def __init__(self, config: uvicorn.Config, engine_client: AsyncLLM) -> None:
         super().__init__(config)
         self.engine_client = engine_client
+        self.exit_code = 0
+
+    async def on_tick(self, counter: int) -> bool:
+        # Every 0.1 s (vLLM's watchdog_loop looks every 5 s): a dead engine stops the server, whose streams have
+        # had their error event, so that a supervisor sees the exit status and restarts it.
+        if not self.should_exit and engine_dead(self.engine_client):
+            logger.error("the engine died; shutting the server down (exit status 1)")
+            self.exit_code, self.should_exit = 1, True
+        return await super().on_tick(counter)
 
     def handle_exit(self, sig: int, frame: Any) -> None:
         self.engine_client.shutdown(timeout=0)  # non-blocking: the engine thread aborts all between two steps
@@ -197,16 +355,18 @@ def create_server_socket(host: str, port: int) -> socket.socket:
 
 
 def run_server(engine_client: AsyncLLM, served_model_name: str, host: str, port: int,
-               api_key: Optional[str] = None) -> int:
-    """Serve until SIGINT/SIGTERM; returns 0 after a clean shutdown (every request in flight reported aborted)."""
-    app = build_app(engine_client, served_model_name, api_key)
+               api_key: Optional[str] = None, sock: Optional[socket.socket] = None, **app_options: Any) -> int:
+    """Serve until SIGINT/SIGTERM (returns 0 after a clean shutdown: every request in flight reported aborted) or
+    until the engine dies (returns 1). ``sock``: a listening socket to use instead of binding ``host:port``;
+    ``app_options``: ``build_app``'s keyword options (CORS, docs)."""
+    app = build_app(engine_client, served_model_name, api_key, **app_options)
     config = uvicorn.Config(app, host=host, port=port, log_level="info", timeout_graceful_shutdown=5,
                             access_log=False)
     server = _Server(config, engine_client)
-    sock = create_server_socket(host, port)
+    sock = sock or create_server_socket(host, port)
     try:
         server.run(sockets=[sock])
     finally:
         engine_client.shutdown()
         sock.close()
-    return 0
+    return server.exit_code

@@ -6,8 +6,13 @@ Served, with labels ``model_name`` and ``engine`` as in vLLM:
 * ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (gauges), ``vllm:kv_cache_usage_perc`` (gauge,
   a fraction: 1 means 100 percent, vLLM's convention) and ``vllm:num_preemptions_total`` (counter), read from the
   engine thread's last ``EngineStats`` snapshot when scraped;
-* ``vllm:time_to_first_token_seconds`` and ``vllm:inter_token_latency_seconds`` (histograms), observed by the
-  serving layer as each request's outputs arrive.
+* ``vllm:time_to_first_token_seconds``, ``vllm:inter_token_latency_seconds`` and
+  ``vllm:e2e_request_latency_seconds`` (histograms), ``vllm:prompt_tokens_total``, ``vllm:generation_tokens_total``
+  and ``vllm:request_success_total`` (counters; the last labelled ``finished_reason``), observed by the serving
+  layer as each request's outputs arrive.
+
+The engine thread takes its snapshot after a step, so after aborts that leave it idle the snapshot still counts
+the aborted requests; the gauges therefore read 0 whenever the engine has no unfinished request or has died.
 
 Where minivllm differs from vLLM: the latencies are measured in the API server from the moment it accepted the
 request (vLLM's engine core stamps them); the histogram buckets are minivllm's, spanning a CPU's slower steps; each
@@ -18,7 +23,7 @@ from __future__ import annotations
 
 from typing import Iterable, List, Optional
 
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -27,6 +32,8 @@ from minivllm.engine.async_llm import AsyncLLM
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                  40.0, 80.0, 160.0]
+_E2E_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                480.0, 960.0, 1920.0, 7680.0]  # vLLM's
 _ITL_BUCKETS = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0,
                 10.0, 20.0]
 
@@ -37,10 +44,14 @@ class _EngineStatsCollector(Collector):
 
     def collect(self) -> Iterable[Metric]:
         stats, names = self.async_llm.stats, ["model_name", "engine"]
+        running, waiting, usage = stats.num_running_reqs, stats.num_waiting_reqs, stats.kv_cache_usage
+        # Read from the scraping thread: a stale "no" only delays the zeros to the next scrape.
+        if self.async_llm.errored or not self.async_llm.engine.has_unfinished_requests():
+            running, waiting, usage = 0, 0, 0.0
         for name, doc, value in (
-            ("vllm:num_requests_running", "Number of requests in model execution batches.", stats.num_running_reqs),
-            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", stats.num_waiting_reqs),
-            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", stats.kv_cache_usage),
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", running),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", usage),
         ):
             g = GaugeMetricFamily(name, doc, labels=names)
             g.add_metric(self.labels, float(value))
@@ -69,6 +80,16 @@ class ServerMetrics:
         self.inter_token_latency = Histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.",
             ["model_name", "engine"], buckets=_ITL_BUCKETS, registry=self.registry).labels(*labels)
+        self.e2e_request_latency = Histogram(
+            "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.",
+            ["model_name", "engine"], buckets=_E2E_BUCKETS, registry=self.registry).labels(*labels)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Number of prefill tokens processed.",
+                                     ["model_name", "engine"], registry=self.registry).labels(*labels)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Number of generation tokens processed.",
+                                         ["model_name", "engine"], registry=self.registry).labels(*labels)
+        self.request_success = Counter("vllm:request_success", "Count of successfully processed requests.",
+                                       ["model_name", "engine", "finished_reason"], registry=self.registry)
+        self.labels = labels
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
@@ -79,14 +100,23 @@ class RequestTimer:
     """Observes one request's TTFT and inter-token latencies (seconds, ``time.perf_counter``)."""
 
     def __init__(self, metrics: Optional[ServerMetrics], start: float) -> None:
-        self.metrics, self.last = metrics, start
+        self.metrics, self.last, self.start = metrics, start, start
         self.first = True
+
+    def on_finished(self, now: float, num_prompt_tokens: int, finish_reason: Optional[str]) -> None:
+        """Called once with the finished output (aborts count too, as in vLLM: ``finished_reason="abort"``)."""
+        if self.metrics is None:
+            return
+        self.metrics.e2e_request_latency.observe(now - self.start)
+        self.metrics.prompt_tokens.inc(num_prompt_tokens)
+        self.metrics.request_success.labels(*self.metrics.labels, str(finish_reason)).inc()
 
     def on_tokens(self, now: float, num_new_tokens: int) -> None:
         """Called for each output; only outputs carrying tokens count. The gap since the previous output is
         divided among its tokens (one per step in minivllm: no speculative decoding)."""
         if self.metrics is None or num_new_tokens == 0:
             return
+        self.metrics.generation_tokens.inc(num_new_tokens)
         gap = now - self.last
         if self.first:
             self.metrics.time_to_first_token.observe(gap)

@@ -4,6 +4,14 @@ Only the fields minivllm serves are declared; unknown fields are ignored, as vLL
 are checked by pydantic (a wrong type is a 400 naming the field); value ranges are checked by ``SamplingParams``
 when ``to_sampling_params`` builds it, so the server and the offline ``LLM`` share one set of limits and messages.
 
+The fields that can be long (``prompt``, ``messages``, ``stop``, ``stop_token_ids``) are checked first by a plain
+loop that stops at the first bad item: pydantic would report every bad item of a union of lists (1.9 million
+errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string).
+
+Fields vLLM honours but minivllm's engine does not (``frequency_penalty``, ``presence_penalty``,
+``repetition_penalty``, ``logit_bias``, ``response_format``, ``tools``, ``tool_choice``) are declared so that a
+value other than the neutral one is refused with a 400 naming the field, not silently ignored.
+
 Where minivllm differs from vLLM: ``n`` must be 1, and a completion takes one prompt (a string, a list of token
 ids, or a list holding one of those), not a batch.
 """
@@ -14,7 +22,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from minivllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -64,6 +72,40 @@ class UsageInfo(OpenAIBaseModel):
     total_tokens: int = 0
 
 
+def _first_bad(items: List[Any], ok) -> Optional[int]:
+    for i, item in enumerate(items):
+        if not ok(item):
+            return i
+    return None
+
+
+def _is_token_id(t: Any) -> bool:
+    return type(t) is int  # not bool, not float: the engine takes ints only
+
+
+def _check_token_ids(value: Any, name: str) -> Any:
+    if isinstance(value, list):
+        bad = _first_bad(value, _is_token_id)
+        if bad is not None:
+            raise ValueError(f"{name}[{bad}] must be a token id (an int), got {type(value[bad]).__name__}")
+    return value
+
+
+def _check_strings(value: Any, name: str) -> Any:
+    if isinstance(value, list):
+        bad = _first_bad(value, lambda x: isinstance(x, str))
+        if bad is not None:
+            raise ValueError(f"{name}[{bad}] must be a string, got {type(value[bad]).__name__}")
+    return value
+
+
+# The neutral value of each field minivllm's engine does not implement (vLLM's defaults).
+UNSUPPORTED_FIELDS = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+                      "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
+                      "response_format": (None, {"type": "text"}), "tools": (None, []),
+                      "tool_choice": (None, "none")}
+
+
 class _SamplingRequest(OpenAIBaseModel):
     """The sampling fields common to both endpoints (OpenAI's, plus vLLM's extras ``top_k``, ``min_p``,
     ``ignore_eos``, ``min_tokens``, ``stop_token_ids``, ``return_token_ids``)."""
@@ -83,6 +125,31 @@ class _SamplingRequest(OpenAIBaseModel):
     stream_options: Optional[StreamOptions] = None
     logprobs: Optional[Union[bool, int]] = None  # refused: minivllm's server returns no logprobs
     return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and the prompt's in the response)
+    # Refused unless neutral (see UNSUPPORTED_FIELDS): the engine has no penalties, biases, grammars or tools.
+    frequency_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    response_format: Optional[Dict[str, Any]] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, value: Any) -> Any:
+        return _check_token_ids(value, "stop_token_ids")
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, value: Any) -> Any:
+        return _check_strings(value, "stop")
+
+    def unsupported_field(self) -> Optional[str]:
+        """The first field set to a value minivllm cannot honour, if any."""
+        for name, neutral in UNSUPPORTED_FIELDS.items():
+            if getattr(self, name) not in neutral:
+                return name
+        return None
 
     def _max_tokens(self) -> Optional[int]:
         raise NotImplementedError
@@ -115,6 +182,22 @@ class CompletionRequest(_SamplingRequest):
     max_tokens: Optional[int] = 16
     echo: bool = False
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> Any:
+        if not isinstance(value, list) or not value:
+            return value
+        if isinstance(value[0], str):
+            return _check_strings(value, "prompt")
+        if isinstance(value[0], list):
+            bad = _first_bad(value, lambda x: isinstance(x, list))
+            if bad is not None:
+                raise ValueError(f"prompt[{bad}] must be a list of token ids, got {type(value[bad]).__name__}")
+            for i, ids in enumerate(value):
+                _check_token_ids(ids, f"prompt[{i}]")
+            return value
+        return _check_token_ids(value, "prompt")
+
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
 
@@ -122,6 +205,26 @@ class CompletionRequest(_SamplingRequest):
 class ChatMessage(OpenAIBaseModel):
     role: str
     content: Optional[Union[str, List[Dict[str, Any]]]] = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            bad = _first_bad(value, lambda x: isinstance(x, dict))
+            if bad is not None:
+                raise ValueError(f"content[{bad}] must be a content part (an object), got {type(value[bad]).__name__}")
+        return value
+
+
+def _describe(value: Any) -> str:
+    if isinstance(value, dict):
+        return "an object with keys " + ", ".join(repr(k) for k in list(value)[:8])[:200]
+    return type(value).__name__
+
+
+def _is_message(m: Any) -> bool:
+    return (isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (m.get("content") is None or isinstance(m["content"], (str, list))))
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -131,6 +234,16 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            bad = _first_bad(value, _is_message)
+            if bad is not None:
+                raise ValueError(f"messages[{bad}] must be an object with a string 'role' and a string, list or "
+                                 f"null 'content', got {_describe(value[bad])}")
+        return value
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

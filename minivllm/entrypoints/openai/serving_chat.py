@@ -1,8 +1,8 @@
 """``POST /v1/chat/completions`` (vLLM 0.32: ``vllm/entrypoints/openai/chat_completion/serving.py``).
 
-The conversation is rendered with the model's chat template to text (``tokenize=False``: Jinja only, on the event
-loop), and that text is tokenized by the engine thread like any prompt (``add_special_tokens=False``), which gives
-the token ids ``LLM.chat`` gets (the tests check it token for token). A message's ``content`` may be a string or
+The conversation is rendered with the model's chat template to text (``tokenize=False``), and that text is
+tokenized like any prompt (``add_special_tokens=False``), both on the server's tokenizer thread; this gives the
+token ids ``LLM.chat`` gets (the tests check it token for token). A message's ``content`` may be a string or
 OpenAI's list of ``{"type": "text", "text": ...}`` parts; other part types are refused.
 """
 
@@ -14,7 +14,7 @@ from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCom
                                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
                                                   UsageInfo, random_uuid)
-from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError
+from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError, error_event, truncate
 from minivllm.outputs import RequestOutput
 
 
@@ -35,8 +35,8 @@ class OpenAIServingChat(OpenAIServing):
                 parts = []
                 for part in content:
                     if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise RequestError(f"messages: only text content parts are supported, got {part!r}",
-                                           "messages")
+                        raise RequestError(f"messages: only text content parts are supported, got "
+                                           f"{truncate(repr(part), 200)}", "messages")
                     parts.append(part["text"])
                 content = "".join(parts)
             messages.append({"role": m.role, "content": content or ""})
@@ -45,6 +45,13 @@ class OpenAIServingChat(OpenAIServing):
                                                       add_generation_prompt=request.add_generation_prompt)
         except Exception as e:  # a template that rejects the conversation (roles out of order, ...)
             raise RequestError(f"messages: the chat template failed: {e}", "messages") from None
+
+    def render_and_tokenize(self, request: ChatCompletionRequest) -> List[int]:
+        """The conversation's prompt token ids (on the tokenizer thread)."""
+        for m in request.messages:  # the template adds to the text: a conversation longer than the bound cannot fit
+            if isinstance(m.content, str):
+                self.check_text_length(m.content, "messages")
+        return self.tokenize(self.render(request), "messages")
 
     async def create_chat_completion(self, request: ChatCompletionRequest
                                      ) -> Union[ChatCompletionResponse, AsyncGenerator[str, None]]:
@@ -55,9 +62,11 @@ class OpenAIServingChat(OpenAIServing):
         """
         self.check_model(request)
         params = self.sampling_params(request)
-        prompt = self.render(request)
+        if self.tokenizer is None:
+            self.render(request)  # raises the "no tokenizer" 400 without a trip to the tokenizer thread
+        ids = await self.run_in_executor(self.render_and_tokenize, request)
         request_id = f"chatcmpl-{random_uuid()}"
-        outputs = await self.start(prompt, params, request_id)
+        outputs = await self.start({"prompt_token_ids": ids}, params, request_id)
         if request.stream:
             return self._stream(request, request_id, outputs)
         result = await self.collect(outputs)
@@ -88,6 +97,10 @@ class OpenAIServingChat(OpenAIServing):
                 yield event([ChatCompletionResponseStreamChoice(
                     delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason, stop_reason=stop,
                     token_ids=list(c.token_ids) if request.return_token_ids else None)])
+        except RequestError as e:  # the engine died: vLLM sends the error as an event, then [DONE]
+            yield error_event(e)
+            yield "data: [DONE]\n\n"
+            return
         finally:
             await outputs.aclose()
         if request.stream_options and request.stream_options.include_usage:

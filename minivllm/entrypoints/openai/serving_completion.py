@@ -6,24 +6,20 @@ such as the tests' ``"tiny"``), or a one-element list of either: minivllm serves
 
 from __future__ import annotations
 
-import json
 from typing import AsyncGenerator, List, Union
 
-from minivllm.engine.llm_engine import PromptType
 from minivllm.entrypoints.openai.protocol import (CompletionRequest, CompletionResponse, CompletionResponseChoice,
                                                   CompletionStreamResponse, UsageInfo, random_uuid)
-from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError
+from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError, error_event
 from minivllm.outputs import RequestOutput
 
 
-def _prompt(prompt: Union[str, List[int], List[str], List[List[int]]]) -> PromptType:
+def _prompt(prompt: Union[str, List[int], List[str], List[List[int]]]) -> Union[str, List[int]]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
             raise RequestError(f"prompt must be one prompt (minivllm serves n=1 and no batches), got a list of "
                                f"{len(prompt)} prompts", "prompt")
         prompt = prompt[0]
-    if isinstance(prompt, list):
-        return {"prompt_token_ids": prompt}
     return prompt
 
 
@@ -42,8 +38,15 @@ class OpenAIServingCompletion(OpenAIServing):
             raise RequestError("echo is not supported by minivllm's server", "echo")
         params = self.sampling_params(request)
         prompt = _prompt(request.prompt)
+        if isinstance(prompt, str):
+            self.check_text_length(prompt)  # before queueing for the tokenizer thread
+            ids = await self.run_in_executor(self.tokenize, prompt)
+        else:
+            self.check_length(len(prompt))
+            ids = prompt
+        del prompt  # the engine gets the ids; a big text should not live as long as the request
         request_id = f"cmpl-{random_uuid()}"
-        outputs = await self.start(prompt, params, request_id)
+        outputs = await self.start({"prompt_token_ids": ids}, params, request_id)
         model = self.served_model_name
         if request.stream:
             return self._stream(request, request_id, outputs)
@@ -68,6 +71,10 @@ class OpenAIServingCompletion(OpenAIServing):
                                                   token_ids=list(c.token_ids) if request.return_token_ids else None)
                 chunk = CompletionStreamResponse(id=request_id, model=model, choices=[choice])
                 yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
+        except RequestError as e:  # the engine died: vLLM sends the error as an event, then [DONE]
+            yield error_event(e)
+            yield "data: [DONE]\n\n"
+            return
         finally:
             await outputs.aclose()
         if request.stream_options and request.stream_options.include_usage:
@@ -76,7 +83,3 @@ class OpenAIServingCompletion(OpenAIServing):
             yield f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
         yield "data: [DONE]\n\n"
 
-
-def error_event(e: RequestError) -> str:
-    """An error inside a stream that already started (vLLM sends one ``data:`` event with the error body)."""
-    return f"data: {json.dumps(e.to_response().model_dump())}\n\n"

@@ -1,19 +1,30 @@
-"""What both serving endpoints share: the model check, error bodies, and one request's stream of deltas
-(vLLM 0.32: ``GenerateBaseServing``, the base of
+"""What both serving endpoints share: the model check, error bodies, the prompt's tokenization and one request's
+stream of deltas (vLLM 0.32: ``GenerateBaseServing``, the base of
 ``vllm/entrypoints/openai/completion/serving.py`` and ``chat_completion/serving.py``).
 
-Every check runs before the request reaches the scheduler: the model name and the sampling parameters here, the
-prompt (token ids in the vocabulary, length within ``max_model_len`` and the KV cache) in ``LLMEngine.add_request``
-on the engine thread, whose ``ValueError`` comes back before any stream starts. A rejected request therefore gets
-its 400 and leaves the requests in flight untouched.
+Every check runs before the request reaches the scheduler. Here, in the API server: the model name, the sampling
+parameters, and the prompt's length against ``max_model_len``, first by a bound that needs no tokenizer (a list of
+more ids than ``max_model_len``; a text longer than ``max_model_len * max_chars_per_token`` characters, vLLM's
+``_text_len_check`` in ``vllm/renderers/params.py``), then on the token ids. Text is tokenized (and a chat
+rendered) in a one-thread pool, as vLLM's renderer does (``vllm/renderers/base.py``), so that the event loop keeps
+sending other streams' tokens meanwhile; the engine gets token ids. The rest (ids in the vocabulary, the KV
+cache's size) is checked by ``LLMEngine.add_request`` on the engine thread, whose ``ValueError`` comes back before
+any stream starts. A rejected request therefore gets its 400 and leaves the requests in flight untouched.
+
+An engine that dies (its thread raised) ends every open request with an error, not an ``"abort"``: a whole
+response is a 500, a stream gets an error event before ``[DONE]`` (vLLM: ``EngineDeadError``); the server then
+shuts down (``api_server.run_server``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import json
 import time
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import AsyncGenerator, List, Optional, Union
+from typing import Any, AsyncGenerator, Callable, List, Optional, Union
 
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.llm_engine import PromptType
@@ -21,6 +32,10 @@ from minivllm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
 from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
+
+# vLLM bounds what an error message echoes (``_MAX_ERROR_CHARS`` in
+# ``vllm/entrypoints/serve/exception_handling/handlers/validation.py``): a 5 MB bad field must not make a 5 MB error.
+MAX_ERROR_CHARS = 1000
 
 _PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
            "stop_token_ids", "ignore_eos", "prompt", "messages", "model", "stream_options", "logprobs", "echo"}
@@ -38,9 +53,37 @@ class RequestError(Exception):
         """vLLM's error body: ``type`` is the error's class name (``BadRequestError``, ``NotFoundError``, ...),
         ``code`` the HTTP status."""
         kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                503: "ServiceUnavailableError"}.get(self.status.value, "InternalServerError")
-        return ErrorResponse(error=ErrorInfo(message=self.message, type=kind, param=self.param,
+                413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}.get(self.status.value,
+                                                                                        "InternalServerError")
+        return ErrorResponse(error=ErrorInfo(message=truncate(self.message), type=kind, param=self.param,
                                              code=self.status.value))
+
+
+def error_event(e: RequestError) -> str:
+    """An error inside a stream that already started (vLLM sends one ``data:`` event with the error body)."""
+    return f"data: {json.dumps(e.to_response().model_dump())}\n\n"
+
+
+def truncate(text: str, limit: int = MAX_ERROR_CHARS) -> str:
+    """``text`` cut to ``limit`` characters, marked as vLLM marks it."""
+    return text if len(text) <= limit else text[:limit] + "...[truncated]"
+
+
+class EngineDeadRequestError(RequestError):
+    """The engine died under this request (vLLM's ``EngineDeadError``): a 500; the server shuts down."""
+
+    def __init__(self) -> None:
+        super().__init__("the engine died (EngineDeadError: its loop raised; see the server's log); the server is "
+                         "shutting down", None, HTTPStatus.INTERNAL_SERVER_ERROR)
+
+
+def engine_dead(engine_client: AsyncLLM) -> bool:
+    """True once the engine's thread died by an error, not by ``shutdown()`` (whose aborts are normal ends).
+
+    ``AsyncLLM`` says only ``errored`` (dead or shut down); vLLM's ``EngineClient`` has ``errored`` and
+    ``is_running`` for this.
+    """
+    return engine_client.errored and not engine_client._shutdown
 
 
 def param_of(message: str) -> Optional[str]:
@@ -79,13 +122,54 @@ class OpenAIServing:
     """
 
     def __init__(self, engine_client: AsyncLLM, served_model_name: str,
-                 metrics: Optional[ServerMetrics] = None) -> None:
+                 metrics: Optional[ServerMetrics] = None, executor: Optional[Executor] = None) -> None:
         self.engine_client = engine_client
         self.served_model_name = served_model_name
         self.metrics = metrics
         self.tokenizer = engine_client.engine.tokenizer
         self.max_model_len = engine_client.engine.scheduler_config.max_model_len
+        self.max_chars_per_token = max_chars_per_token(self.tokenizer)
+        # One thread: a Hugging Face tokenizer is not safe to call from several at once; the engine thread only
+        # decodes.
+        self.executor = executor or ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenize")
 
+    async def run_in_executor(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """``fn(*args)`` on the tokenizer thread; a ``RequestError`` it raises comes back here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def check_length(self, num_tokens: int) -> None:
+        """Raises ``RequestError`` (400, ``prompt``) for a prompt of more than ``max_model_len`` tokens."""
+        if num_tokens > self.max_model_len:
+            raise RequestError(f"prompt length ({num_tokens} tokens) is longer than max_model_len "
+                               f"({self.max_model_len})", "prompt")
+
+    def check_text_length(self, text: str, param: str = "prompt") -> None:
+        """Before tokenizing: a text of more than ``max_model_len * max_chars_per_token`` characters cannot fit
+        (vLLM 0.32: ``TokenizeParams._text_len_check`` in ``vllm/renderers/params.py``)."""
+        limit = self.max_model_len * self.max_chars_per_token
+        if self.max_chars_per_token and len(text) > limit:
+            raise RequestError(f"prompt length: the text has {len(text)} characters, more than the {limit} that "
+                               f"max_model_len ({self.max_model_len}) tokens of at most {self.max_chars_per_token} "
+                               "characters each can hold", param)
+
+    def tokenize(self, text: str, param: str = "prompt") -> List[int]:
+        """The token ids of ``text`` as the engine would make them (``add_special_tokens=False``); on the
+        tokenizer thread. Raises ``RequestError`` (400) for text the tokenizer refuses or one over
+        ``max_model_len``."""
+        self.check_text_length(text, param)
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # a lone surrogate ("\ud800"): JSON allows it, UTF-8 and tokenizers don't
+            raise RequestError(f"{param} is not valid Unicode: a lone surrogate U+{ord(text[e.start]):04X} at "
+                               f"character {e.start}", param) from None
+        if self.tokenizer is None:
+            raise RequestError(f"{param}: this model has no tokenizer; pass token ids", param)
+        try:
+            ids = list(self.tokenizer.encode(text, add_special_tokens=False))
+        except (ValueError, TypeError, OverflowError) as e:  # vLLM answers these with a 400 (error_response.py)
+            raise RequestError(f"{param}: the tokenizer refused it: {e}", param) from None
+        self.check_length(len(ids))
+        return ids
     def check_model(self, request: _SamplingRequest) -> None:
         """Raises ``RequestError`` (404) for a model this server does not serve."""
         if request.model is not None and request.model != self.served_model_name:
@@ -96,6 +180,11 @@ class OpenAIServing:
         """``request.to_sampling_params()`` with its ``ValueError`` turned into a 400 naming the parameter."""
         if request.logprobs:
             raise RequestError("logprobs are not supported by minivllm's server", "logprobs")
+        unsupported = request.unsupported_field()
+        if unsupported is not None:
+            raise RequestError(f"{unsupported} is not supported by minivllm's server (its engine has no "
+                               f"penalties, logit biases, structured outputs or tools); got {unsupported}="
+                               f"{truncate(repr(getattr(request, unsupported)), 200)}", unsupported)
         try:
             return request.to_sampling_params()
         except ValueError as e:
@@ -112,18 +201,30 @@ class OpenAIServing:
         try:
             queue = await self.engine_client.add_request(request_id, prompt, params)
         except ValueError as e:
+            # The exception's traceback holds AsyncLLM.add_request's frame, whose future holds the exception:
+            # a cycle that would keep the prompt (in the engine's frames) alive until a garbage collection.
+            e.__traceback__ = None
             raise RequestError(str(e), param_of(str(e))) from None
         except EngineDeadError as e:
+            e.__traceback__ = None
             raise RequestError(f"the engine is not running: {e}", None, HTTPStatus.SERVICE_UNAVAILABLE) from None
         return self._timed(self.engine_client.stream_outputs(queue, request_id))
 
     async def _timed(self, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
         timer = RequestTimer(self.metrics, time.perf_counter())
+        num_prompt_tokens, finished = 0, False
         try:
             async for out in outputs:
+                if out.finished and out.outputs[0].finish_reason == "abort" and engine_dead(self.engine_client):
+                    raise EngineDeadRequestError()
+                num_prompt_tokens, finished = len(out.prompt_token_ids), out.finished
                 timer.on_tokens(time.perf_counter(), len(out.outputs[0].token_ids))
+                if finished:
+                    timer.on_finished(time.perf_counter(), num_prompt_tokens, out.outputs[0].finish_reason)
                 yield out
         finally:
+            if not finished:  # the client left (or the engine died): counted as vLLM counts an abort
+                timer.on_finished(time.perf_counter(), num_prompt_tokens, "abort")
             await outputs.aclose()  # aborts the request if it has not finished
 
     @staticmethod
@@ -144,3 +245,11 @@ class OpenAIServing:
             await outputs.aclose()
         result.text = "".join(texts)
         return result
+
+
+def max_chars_per_token(tokenizer: Any) -> int:
+    """The longest vocabulary entry, in characters (0 without a tokenizer): no token covers more of a text
+    (vLLM 0.32: ``max_chars_per_token`` in ``vllm/tokenizers/hf.py``)."""
+    if tokenizer is None or not hasattr(tokenizer, "get_vocab"):
+        return 0
+    return max((len(t) for t in tokenizer.get_vocab()), default=0)
