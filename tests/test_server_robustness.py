@@ -388,3 +388,17 @@ def test_server_options_env_key_docs_and_cors(tiny, monkeypatch):
         assert r.status_code == 200 and "access-control-allow-origin" not in r.headers
     finally:
         server.stop()
+
+
+def test_server_cli_args_have_vllms_names():
+    import argparse
+
+    from minivllm.entrypoints.openai.cli_args import add_server_args, app_options
+
+    parser = add_server_args(argparse.ArgumentParser())
+    args = parser.parse_args(["--allowed-origins", '["http://a.example"]', "--allowed-methods", "GET,POST",
+                              "--allow-credentials", "--disable-fastapi-docs"])
+    assert app_options(args) == dict(allowed_origins=["http://a.example"], allowed_methods=["GET", "POST"],
+                                     allowed_headers=["*"], allow_credentials=True, disable_fastapi_docs=True)
+    defaults = parser.parse_args([])
+    assert (defaults.host, defaults.port, defaults.api_key, defaults.allowed_origins) == ("127.0.0.1", 8000, None, [])
