@@ -12,6 +12,23 @@ if TYPE_CHECKING:
     from minivllm.core.block_hash import BlockHash
 
 
+def is_partial_prefill(num_computed_tokens: int, num_tokens: int) -> bool:
+    """Whether a request's step is a partial prefill: after it, fewer tokens are computed than the request has, so
+    the logits row of its last scheduled token predicts a token that already exists, and is not sampled into the
+    output.
+
+    The one rule behind three places: the scheduler's ``Request.is_prefill_chunk`` (``num_tokens`` there counts
+    output placeholders too; vLLM ``Scheduler._update_after_schedule``), and both model runners' discarded rows
+    (``ModelRunnerBase._prepare_inputs``: ``seq_len < len(token_ids)``; vLLM's V1 runner builds its discard mask
+    the same way, V2 its ``num_sampled`` from ``seq_len < prefill_len``).
+
+    Args:
+        num_computed_tokens: tokens computed once the step has run (the step's ``seq_len``).
+        num_tokens: tokens the request has when the step is scheduled.
+    """
+    return num_computed_tokens < num_tokens
+
+
 class RequestStatus(enum.IntEnum):
     """Where a request is in its life. Every status after ``PREEMPTED`` is a finished one (as in vLLM)."""
 

@@ -117,3 +117,28 @@ def test_async_outputs_equal_sync_with_a_stop_token_in_the_middle():
     for runner in ("v1", "v2"):
         assert run(runner, True, 16, 64, params)[0] == sync
     assert sync["r1"] == base["r1"][:5]
+
+
+def test_the_two_runners_share_a_base_not_each_other_and_one_partial_prefill_rule():
+    import ast
+    import inspect
+
+    from minivllm.request import is_partial_prefill
+    from minivllm.worker import sampler
+    from minivllm.worker.model_runner_base import ModelRunnerBase
+
+    assert not issubclass(ModelRunnerV2, ModelRunner) and not issubclass(ModelRunner, ModelRunnerV2)
+    assert issubclass(ModelRunner, ModelRunnerBase) and issubclass(ModelRunnerV2, ModelRunnerBase)
+    # V1's sampler knows nothing of V2's Gumbel draw
+    imported = {n.module for n in ast.walk(ast.parse(inspect.getsource(sampler))) if isinstance(n, ast.ImportFrom)}
+    assert not any("v2" in (m or "") for m in imported)
+    assert is_partial_prefill(64, 160) and not is_partial_prefill(160, 160)
+    # a 10-token prompt at a budget of 4: chunks 4, 4, 2; both runners discard the first two rows only
+    for runner in ("v1", "v2"):
+        eng = LLMEngine("tiny", num_gpu_blocks=16, block_size=4, max_num_batched_tokens=4, model_runner=runner)
+        eng.add_request("r", list(range(1, 11)), SamplingParams(temperature=0, max_tokens=2))
+        discards = []
+        while eng.has_unfinished_requests():
+            eng.step()
+            discards.append(eng.model_runner.last_inputs.discard_mask.tolist())
+        assert discards == [[True], [True], [False], [False]], runner

@@ -7,9 +7,8 @@ exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw 
 ``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
 the batch.
 
-Under Model Runner V2 (``SamplingMetadata.seeds`` set) the draw is stateless instead: Gumbel-max with noise hashed
-from the request's seed and the sampled position (``minivllm/worker/v2/gumbel.py``); every request has a seed
-there (a random one when ``SamplingParams.seed`` is ``None``).
+Model Runner V2 draws statelessly instead (``minivllm/worker/v2/sampler.py``: Gumbel-max with noise hashed from
+the request's seed and the sampled position); it overrides ``Sampler.random_draw`` only.
 """
 
 from __future__ import annotations
@@ -20,7 +19,6 @@ from typing import List, Optional
 import torch
 
 from minivllm.sampling_params import SamplingParams
-from minivllm.worker.v2.gumbel import gumbel_sample
 
 
 @dataclass
@@ -104,13 +102,14 @@ class Sampler:
             if sp.greedy:
                 out[i] = row.argmax()
                 continue
-            row = apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p)
-            if md.seeds is not None and md.positions is not None:
-                seed_pos = torch.tensor([[md.seeds[i]], [md.positions[i]]], dtype=torch.long, device=row.device)
-                out[i] = gumbel_sample(row[None], seed_pos[0], seed_pos[1])[0]
-                continue
-            probs = row.softmax(-1)
-            gen = md.generators[i] or self.shared_generator
-            q = torch.empty_like(probs).exponential_(generator=gen)
-            out[i] = (probs / q).argmax()
+            out[i] = self.random_draw(apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p),
+                                      i, md)
         return out
+
+    def random_draw(self, row: torch.Tensor, i: int, md: SamplingMetadata) -> torch.Tensor:
+        """One token from a masked, temperature-scaled float32 row ``[vocab]``: the exponential race with row
+        ``i``'s own generator, or the shared one."""
+        probs = row.softmax(-1)
+        gen = md.generators[i] or self.shared_generator
+        q = torch.empty_like(probs).exponential_(generator=gen)
+        return (probs / q).argmax()

@@ -39,7 +39,7 @@ from minivllm.core.sched.utils import check_stop
 from minivllm.engine import EngineCoreOutput
 from minivllm.metrics.stats import SchedulerStats
 from minivllm.outputs import ModelRunnerOutput
-from minivllm.request import Request, RequestStatus
+from minivllm.request import Request, RequestStatus, is_partial_prefill
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.base import KVConnectorBase
@@ -372,9 +372,8 @@ class Scheduler:
             request.num_computed_tokens += n
             request.num_in_flight_tokens += n
             request.last_sched_seq = self.sched_step_seq
-            request.is_prefill_chunk = request.num_computed_tokens < (
-                request.num_tokens + request.num_output_placeholders
-            )
+            request.is_prefill_chunk = is_partial_prefill(
+                request.num_computed_tokens, request.num_tokens + request.num_output_placeholders)
         self.finished_req_ids = set()
         self.reset_preempted_req_ids = set()
 

@@ -6,9 +6,10 @@ What changes from the V1 runner (``minivllm/worker/model_runner.py``), as in vLL
   resumed request comes back as a new request whose ``prefill_token_ids`` are its prompt plus its outputs so far
   (the scheduler's ``use_v2_model_runner``). ``prefill_len`` is their number; ``num_prompt_tokens`` stays the
   prompt's, so ``min_tokens`` and output counts are still right.
-* A partial-prefill row is sampled like every row and dropped by ``num_sampled = 0`` (``seq_len <
+* A partial-prefill row is sampled like every row and dropped by ``num_sampled = 0`` (vLLM: ``seq_len <
   prefill_len``, ``get_num_sampled_and_rejected`` in ``input_batch.py``), not by a discard mask with a generator
-  to restore.
+  to restore. minivllm decides it once per row for both runners (``minivllm.request.is_partial_prefill``): a
+  V2 request's tokens are its ``prefill_len`` tokens until its first sampled token, so the rule is the same.
 * Sampling is stateless: Gumbel-max with noise hashed from the request's seed and the sampled position
   (``minivllm/worker/v2/gumbel.py``). Nothing is saved or rewound, so chunking and preemption cannot change a
   seeded request's tokens. A request without ``SamplingParams.seed`` gets a random 63-bit seed when it is added
@@ -16,7 +17,8 @@ What changes from the V1 runner (``minivllm/worker/model_runner.py``), as in vLL
   seeded with the engine's ``seed``, so a run is reproducible). An unseeded request that is preempted is added
   again and gets a new seed, as in vLLM.
 
-Everything else (inputs, attention, KV cache, connector calls, CUDA graphs) is the V1 runner's.
+Everything else (inputs, attention, KV cache, connector calls, CUDA graphs) is shared with the V1 runner in
+``ModelRunnerBase`` (``minivllm/worker/model_runner_base.py``); V2 does not derive from V1.
 """
 
 from __future__ import annotations
@@ -26,10 +28,10 @@ from typing import List, Tuple
 
 import torch
 
-from minivllm.core.sched.output import SchedulerOutput, block_updates
+from minivllm.core.sched.output import SchedulerOutput
 from minivllm.worker.input_batch import CachedRequestState, ModelInputs
-from minivllm.worker.model_runner import ModelRunner
-from minivllm.worker.sampler import SamplingMetadata
+from minivllm.worker.model_runner_base import ModelRunnerBase
+from minivllm.worker.v2.sampler import GumbelSampler
 
 
 @dataclass
@@ -40,11 +42,11 @@ class RequestStateV2(CachedRequestState):
     prefill_len: int = 0
 
 
-class ModelRunnerV2(ModelRunner):
-    """The V1 runner with Model Runner V2's request lifecycle and sampling (see the module docstring).
-
-    Args: as ``ModelRunner``.
+class ModelRunnerV2(ModelRunnerBase):
+    """Model Runner V2's request lifecycle and sampling (see the module docstring). Args: as ``ModelRunnerBase``.
     """
+
+    sampler_cls = GumbelSampler
 
     def _update_states(self, so: SchedulerOutput) -> None:
         for rid in set(so.finished_req_ids) | set(so.preempted_req_ids):
@@ -61,37 +63,22 @@ class ModelRunnerV2(ModelRunner):
                 new.req_id, token_ids, new.prompt_len, sp, [], new.num_computed_tokens, None, sp.eos_token_id,
                 seed=seed, prefill_len=len(token_ids),
             )
-        for rid, blocks, replace, ncomp in block_updates(so):
-            st = self.requests[rid]
-            assert not (replace and rid in so.scheduled_cached_reqs.resumed_req_ids), (
-                "Model Runner V2 gets resumed requests as new ones (SchedulerConfig.use_v2_model_runner)"
-            )
-            if replace:
-                st.block_ids = list(blocks)
-                self.input_batch.add_request(rid, blocks)
-            else:
-                st.block_ids.extend(blocks)
-                self.input_batch.append_blocks(rid, blocks)
-            st.num_computed_tokens = ncomp
+        assert not so.scheduled_cached_reqs.resumed_req_ids, (
+            "Model Runner V2 gets resumed requests as new ones (SchedulerConfig.use_v2_model_runner)")
+        self._apply_block_updates(so)
 
     def _sample(self, inputs: ModelInputs, logits: torch.Tensor) -> Tuple[torch.Tensor, List[List[int]], List[bool]]:
         """Sample every row from (seed, position); keep ``num_sampled`` tokens: 0 for a partial prefill, else 1."""
         states = [s for s in inputs.states if isinstance(s, RequestStateV2)]
         assert len(states) == len(inputs.states)
         seq_lens = inputs.common_attn_metadata.seq_lens_cpu
-        smd = SamplingMetadata(
-            params=[s.sampling_params for s in states],
-            generators=[None] * len(states),
-            num_output_tokens=[s.num_output_tokens for s in states],
-            eos_token_ids=[s.eos_token_id for s in states],
-            all_greedy=all(s.sampling_params.greedy and s.num_output_tokens >= s.sampling_params.min_tokens
-                           for s in states),
-            seeds=[s.seed for s in states],
+        smd = self._sampling_metadata(
+            states, generators=[None] * len(states), seeds=[s.seed for s in states],
             positions=[n - 1 for n in seq_lens],  # the position of the token whose logits are sampled
         )
         sampled = self.sampler(logits, smd)
         sampled_list = sampled.tolist()
-        num_sampled = [0 if n < s.prefill_len else 1 for n, s in zip(seq_lens, states)]
+        num_sampled = [0 if partial else 1 for partial in inputs.discard]
         out_ids: List[List[int]] = []
         for i, s in enumerate(states):
             kept = sampled_list[i:i + num_sampled[i]]
