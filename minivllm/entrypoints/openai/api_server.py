@@ -217,10 +217,9 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     """The FastAPI application serving ``engine_client`` under ``served_model_name``.
 
     ``api_key`` defaults to the ``VLLM_API_KEY`` environment variable, as in vLLM (a key on the command line is
-    visible to every user in ``ps``). ``allowed_origins`` etc. are vLLM's CORS options; where minivllm differs
-    from vLLM: with no origin given, no cross-origin request is allowed (vLLM allows ``*``), so that a web page
-    cannot use a server on the reader's machine. ``disable_fastapi_docs`` removes ``/docs``, ``/redoc`` and
-    ``/openapi.json``.
+    visible to every user in ``ps``). ``allowed_origins`` etc. are vLLM's CORS options (``cli_args.py``): with no
+    origin given, as by default, no cross-origin browser request is allowed. ``disable_fastapi_docs`` removes
+    ``/docs``, ``/redoc`` and ``/openapi.json``.
 
     Several apps may share one ``AsyncLLM`` (each stream is bound to the event loop that opened it).
     """
@@ -345,7 +344,8 @@ def create_server_socket(host: str, port: int) -> socket.socket:
     Made with ``IPPROTO_TCP`` as its protocol: asyncio sets ``TCP_NODELAY`` on an accepted socket only when its
     protocol says TCP, and an accepted socket inherits the listening one's. Without it Nagle's algorithm holds a
     response's last small segment until the client's delayed ACK, about 40 ms on every keep-alive request after
-    the first. vLLM makes its socket with protocol 0 but runs on uvloop, which sets ``TCP_NODELAY`` itself.
+    the first. vLLM makes its socket with protocol 0 too, but uvicorn runs it on uvloop (a vLLM dependency), whose
+    TCP transports set ``TCP_NODELAY`` themselves; minivllm runs on asyncio's own loop.
     """
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)

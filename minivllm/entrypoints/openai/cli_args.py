@@ -1,10 +1,10 @@
-"""The server's own command-line options of ``python -m minivllm serve`` (vLLM 0.32:
-``vllm/entrypoints/openai/cli_args.py``, ``make_arg_parser``), with vLLM's names and defaults except where said.
+"""The server's own command-line options of ``python -m minivllm serve``, with vLLM's names and defaults (vLLM 0.32:
+``FrontendArgs`` in ``vllm/entrypoints/launchers/cli_args.py``).
 
-``--api-key`` falls back to the ``VLLM_API_KEY`` environment variable (read by ``build_app``), so that the key
-need not appear in ``ps``. ``--allowed-origins``, ``--allowed-methods``, ``--allowed-headers`` and
-``--allow-credentials`` are vLLM's CORS options; where minivllm differs from vLLM: ``--allowed-origins`` defaults to
-none (no cross-origin request), vLLM's to ``*``. ``--disable-fastapi-docs`` removes ``/docs``, ``/redoc`` and
+``--api-key`` falls back to the ``VLLM_API_KEY`` environment variable (read by ``build_app``, as vLLM's
+``vllm/entrypoints/serve/middleware/register.py`` does), so that the key need not appear in ``ps``.
+``--allowed-origins`` (default none: no cross-origin browser access), ``--allowed-methods``, ``--allowed-headers``
+and ``--allow-credentials`` are vLLM's CORS options. ``--disable-fastapi-docs`` removes ``/docs``, ``/redoc`` and
 ``/openapi.json``.
 """
 
