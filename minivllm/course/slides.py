@@ -36,6 +36,9 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+# The repository root. The notebooks, images/ and node_modules/ are files of the repository, not of the package:
+# they are there in a source checkout (an editable install included), not beside an installed wheel
+# (``source_checkout_dir`` says so).
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS_DIR = ROOT / "notebooks"
 TEMPLATE_DIR = Path(__file__).resolve().parent / "slides_template"
@@ -152,8 +155,24 @@ def slide_types(cells: Sequence[dict]) -> List[str]:
     return types
 
 
+def source_checkout_dir(path: Path, what: str) -> Path:
+    """``path``, a folder of the source checkout that holds ``what``, after checking it is there.
+
+    Raises:
+        FileNotFoundError: naming the folder and saying that it needs a source checkout (the installed package has
+            no notebooks, images or node_modules).
+    """
+    if not Path(path).is_dir():
+        raise FileNotFoundError(
+            f"slides: {what} not found at {path}: they are files of the minivllm repository, not of the installed "
+            f"package; run this from a source checkout (`pip install -e .` there)")
+    return Path(path)
+
+
 def notebook_paths(names: Iterable[str] = SLIDE_NOTEBOOKS) -> List[Path]:
-    """The ``.ipynb`` files of ``names`` (notebook stems) in ``notebooks/``; FileNotFoundError names a missing one."""
+    """The ``.ipynb`` files of ``names`` (notebook stems) in ``notebooks/``; FileNotFoundError names a missing one,
+    or the missing folder (``source_checkout_dir``)."""
+    source_checkout_dir(NOTEBOOKS_DIR, "the course notebooks (notebooks/)")
     paths = []
     for name in names:
         p = NOTEBOOKS_DIR / f"{name}.ipynb"
@@ -240,10 +259,11 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     from traitlets.config import Config
 
     paths = notebook_paths(names)
+    images = source_checkout_dir(ROOT / "images", "the course figures (images/)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     copy_assets(Path(node_modules), out / "lib")
-    shutil.copytree(ROOT / "images", out / "images", dirs_exist_ok=True)
+    shutil.copytree(images, out / "images", dirs_exist_ok=True)
     c = Config()
     c.SlidesExporter.extra_template_basedirs = [str(TEMPLATE_DIR)]
     c.SlidesExporter.template_name = TEMPLATE_NAME

@@ -37,6 +37,8 @@ MINUTES_PER_EXERCISE = 10
 ROUND_TO = 5
 TOLERANCE_MIN = 5
 
+# The course notebooks are files of the repository, not of the package: this folder exists in a source checkout
+# (an editable install included), not beside an installed wheel.
 NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 HEADER_RE = re.compile(r"\*\*Study time:\*\* about (\d+) minutes[^\n]*")
 _CJK = re.compile(r"[\u3400-\u9fff\uf900-\ufaff]")
@@ -154,16 +156,36 @@ def update(path: Path) -> bool:
     return new != text
 
 
-def notebooks() -> List[Path]:
-    """The course notebooks (``notebooks/NN_*.ipynb``, solutions notebooks included)."""
-    return sorted(NOTEBOOKS_DIR.glob("[0-9][0-9]_*.ipynb"))
+def notebooks(notebooks_dir: Optional[Path] = None) -> List[Path]:
+    """The course notebooks (``NN_*.ipynb`` in ``notebooks_dir``, default ``NOTEBOOKS_DIR``, the source checkout's
+    ``notebooks/``; the solutions notebooks in ``notebooks/solutions/`` are not among them).
+
+    Raises:
+        FileNotFoundError: the folder does not exist: the notebooks are not installed with the package (a wheel
+            install), so the default needs a source checkout.
+    """
+    folder = NOTEBOOKS_DIR if notebooks_dir is None else Path(notebooks_dir)
+    if not folder.is_dir():
+        where = ("the course notebooks are files of the repository, not of the installed package: run this from a "
+                 "source checkout of minivllm (`pip install -e .` there), or pass the folder "
+                 "(`notebooks(notebooks_dir)`, `--notebooks DIR`)" if notebooks_dir is None
+                 else "pass the folder that holds the course's NN_*.ipynb notebooks")
+        raise FileNotFoundError(f"study_time: no notebooks folder {folder}; {where}")
+    return sorted(folder.glob("[0-9][0-9]_*.ipynb"))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minivllm.course.study_time", description=__doc__.split("\n")[0])
     p.add_argument("cmd", choices=["table", "update"], help="table: print the estimates; update: rewrite headers")
+    p.add_argument("--notebooks", default=None, metavar="DIR",
+                   help="the folder of the course notebooks (default: notebooks/ of the source checkout)")
     a = p.parse_args(argv)
-    for path in notebooks():
+    try:
+        paths = notebooks(a.notebooks)
+    except FileNotFoundError as e:
+        print(e, file=sys.stderr)
+        return 2
+    for path in paths:
         if a.cmd == "update":
             print(f"[study time] {path.name}: {'updated' if update(path) else 'unchanged'}")
         else:
