@@ -9,7 +9,10 @@ minivllm, reads the vLLM recordings and scenarios the course shows (``minivllm.c
 that the modules reading repository files (the notebooks) say they need a source checkout. Every tracked non-``.py``
 file under ``minivllm/`` must be in the wheel (``[tool.setuptools.package-data]`` in ``pyproject.toml``).
 
-About 30 s on two busy cores, most of it importing torch, transformers and matplotlib.
+About 15 s on two busy cores, most of it importing torch, transformers and matplotlib.
+
+``test_every_test_file_has_one_lane`` checks the test lanes (``LANES`` in ``tests/conftest.py``, tests/README.md):
+the suite's markers by package layer, which ``pytest -m "core or engine"`` and the like select.
 """
 
 from __future__ import annotations
@@ -158,3 +161,18 @@ def test_the_installed_package_runs_what_the_notebooks_import(venv_python, tmp_p
         assert message is not None and "source checkout" in message, \
             f"{what}() in an installed package should fail saying it needs a source checkout, gave: {message!r}"
 
+
+def test_every_test_file_has_one_lane(pytestconfig):
+    """Each ``test_*.py`` under tests/ is in exactly one lane of ``conftest.LANES``, every name there is a test file,
+    and every lane is a marker registered in pyproject.toml (``pytest -m engine`` would otherwise skip a file
+    silently, or select nothing)."""
+    from tests import conftest
+
+    files = sorted(p.relative_to(ROOT / "tests").as_posix() for pattern in ("test_*.py", "*_test.py")
+                   for p in (ROOT / "tests").rglob(pattern) if "__pycache__" not in p.parts)
+    mapped = [f for names in conftest.LANES.values() for f in names]
+    assert sorted(set(files) - set(mapped)) == [], "test files in no lane: add them to LANES in tests/conftest.py"
+    assert sorted(set(mapped) - set(files)) == [], "names in tests/conftest.py LANES that are no test file"
+    assert sorted(f for f in set(mapped) if mapped.count(f) > 1) == [], "test files in more than one lane"
+    registered = {m.split(":")[0].strip() for m in pytestconfig.getini("markers")}
+    assert set(conftest.LANES) <= registered, set(conftest.LANES) - registered
