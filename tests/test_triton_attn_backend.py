@@ -137,8 +137,8 @@ def test_capture_metadata_with_padding_rows():
 
     cm = CommonAttentionMetadata(
         query_start_loc=torch.arange(5), seq_lens=seq_lens, block_table_tensor=table, slot_mapping=slots,
-        positions=torch.tensor([39, 16, 0, 0]), query_start_loc_cpu=list(range(5)), seq_lens_cpu=[],
-        num_computed_tokens_cpu=[], num_reqs=4, num_actual_tokens=4, max_query_len=1, max_seq_len=4 * BS)
+        positions=torch.tensor([39, 16, 0, 0]), query_start_loc_cpu=list(range(5)),
+        seq_lens_cpu_upper_bound=[], num_reqs=4, num_actual_tokens=4, max_query_len=1, max_seq_len=4 * BS)
     builder = TritonAttentionMetadataBuilder(BS, HEADS, KV_HEADS, D, torch.float32, torch.device("cpu"))
     md = builder.build_for_cudagraph_capture(cm)
     assert md.max_seq_len == 64 and md.num_par_softmax_segments == 1 and md.block_table is table

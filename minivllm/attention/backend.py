@@ -39,7 +39,10 @@ class CommonAttentionMetadata:
             (``minivllm.worker.block_table``).
         slot_mapping: ``[T]`` cache slot of every query token.
         positions: ``[T]`` position of every query token.
-        query_start_loc_cpu, seq_lens_cpu, num_computed_tokens_cpu: ``R + 1``, ``R``, ``R`` ints.
+        query_start_loc_cpu, seq_lens_cpu_upper_bound: ``R + 1`` and ``R`` ints. vLLM 0.32's names: it keeps no
+            ``seq_lens_cpu`` or ``num_computed_tokens_cpu`` any more, and its ``seq_lens_cpu_upper_bound`` is
+            exact except for rows of asynchronous speculative decoding (minivllm has none, so here it is exact).
+            A request's context is ``seq_lens_cpu_upper_bound[i] - query_lens_cpu[i]``.
         num_reqs, num_actual_tokens, max_query_len, max_seq_len: ints.
     """
 
@@ -49,8 +52,7 @@ class CommonAttentionMetadata:
     slot_mapping: torch.Tensor
     positions: torch.Tensor
     query_start_loc_cpu: List[int]
-    seq_lens_cpu: List[int]
-    num_computed_tokens_cpu: List[int]
+    seq_lens_cpu_upper_bound: List[int]
     num_reqs: int
     num_actual_tokens: int
     max_query_len: int
@@ -95,11 +97,12 @@ class AttentionMetadata:
     @staticmethod
     def common_fields(cm: CommonAttentionMetadata, block_size: int) -> dict:
         """The keyword arguments of this class taken from ``cm`` (for the builders)."""
+        seq_lens = cm.seq_lens_cpu_upper_bound
         return dict(
             query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens, block_table=cm.block_table_tensor,
             slot_mapping=cm.slot_mapping, positions=cm.positions, block_size=block_size,
-            query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=cm.seq_lens_cpu,
-            num_computed_tokens_cpu=cm.num_computed_tokens_cpu,
+            query_start_loc_cpu=cm.query_start_loc_cpu, seq_lens_cpu=seq_lens,
+            num_computed_tokens_cpu=[s - q for s, q in zip(seq_lens, cm.query_lens_cpu)],
         )
 
 

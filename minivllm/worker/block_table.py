@@ -187,6 +187,6 @@ def create_common_attn_metadata(
     return CommonAttentionMetadata(
         query_start_loc=t(qsl), seq_lens=t(seq), block_table_tensor=t(table),
         slot_mapping=t(slot_mapping_of(table, req_indices, positions, block_size)), positions=t(positions),
-        query_start_loc_cpu=qsl, seq_lens_cpu=seq, num_computed_tokens_cpu=list(num_computed_tokens),
+        query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq,
         num_reqs=len(query_lens), num_actual_tokens=qsl[-1], max_query_len=max(query_lens), max_seq_len=max(seq),
     )

@@ -106,7 +106,7 @@ class DecodeGraphRunner:
         cm = CommonAttentionMetadata(
             query_start_loc=self.rows[: b + 1], seq_lens=self.seq_lens[:b], block_table_tensor=self.block_table[:b, :nb],
             slot_mapping=self.slot_mapping[:b], positions=self.positions[:b], query_start_loc_cpu=list(range(b + 1)),
-            seq_lens_cpu=[], num_computed_tokens_cpu=[], num_reqs=b, num_actual_tokens=b, max_query_len=1,
+            seq_lens_cpu_upper_bound=[], num_reqs=b, num_actual_tokens=b, max_query_len=1,
             max_seq_len=nb * self.block_size,
         )
         return self.builder.build_for_cudagraph_capture(cm)

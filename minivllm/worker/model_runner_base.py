@@ -191,7 +191,7 @@ class ModelRunnerBase:
             self._last_inputs = StepInputs(
                 req_ids=inputs.req_ids, input_ids=inputs.input_ids, positions=cm.positions,
                 query_start_loc=cm.query_start_loc, seq_lens=cm.seq_lens,
-                num_computed_tokens=torch.tensor(cm.num_computed_tokens_cpu, device=self.device),
+                num_computed_tokens=cm.seq_lens - (cm.query_start_loc[1:] - cm.query_start_loc[:-1]),
                 block_table=cm.block_table_tensor, slot_mapping=cm.slot_mapping,
                 logits_indices=inputs.logits_indices, discard_mask=torch.tensor(inputs.discard),
                 logits=logits, sampled=sampled, hidden_states=hidden,
@@ -276,10 +276,10 @@ class ModelRunnerBase:
         cm = CommonAttentionMetadata(
             query_start_loc=t(qsl), seq_lens=t(seq_lens), block_table_tensor=t(block_table.gather(rows)),
             slot_mapping=t(slot_mapping), positions=t(positions), query_start_loc_cpu=qsl.tolist(),
-            seq_lens_cpu=seq_lens.tolist(), num_computed_tokens_cpu=computed.tolist(), num_reqs=len(req_ids),
+            seq_lens_cpu_upper_bound=seq_lens.tolist(), num_reqs=len(req_ids),
             num_actual_tokens=int(qsl[-1]), max_query_len=int(qlens.max()), max_seq_len=int(seq_lens.max()),
         )
-        ids = [s.token_ids[c : c + q] for s, c, q in zip(states, cm.num_computed_tokens_cpu, qlens.tolist())]
+        ids = [s.token_ids[c : c + q] for s, c, q in zip(states, computed.tolist(), qlens.tolist())]
         return ModelInputs(
             req_ids=req_ids,
             states=states,
@@ -287,7 +287,7 @@ class ModelRunnerBase:
             common_attn_metadata=cm,
             attn_metadata=None,
             logits_indices=cm.query_start_loc[1:] - 1,
-            discard=[is_partial_prefill(n, len(s.token_ids)) for n, s in zip(cm.seq_lens_cpu, states)],
+            discard=[is_partial_prefill(n, len(s.token_ids)) for n, s in zip(cm.seq_lens_cpu_upper_bound, states)],
         )
 
     # ---------------------------------------------------------------------------------------------------------

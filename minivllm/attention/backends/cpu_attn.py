@@ -60,7 +60,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
         dec = [i for i, q in enumerate(qlens) if q == 1]
         pre = [i for i, q in enumerate(qlens) if q > 1]
         t = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        dec_lens = [cm.seq_lens_cpu[i] for i in dec]
+        dec_lens = [cm.seq_lens_cpu_upper_bound[i] for i in dec]
         nblk = -(-max(dec_lens, default=0) // self.block_size)
         return CPUAttentionMetadata(
             **AttentionMetadata.common_fields(cm, self.block_size),
@@ -71,7 +71,7 @@ class CPUAttentionMetadataBuilder(AttentionMetadataBuilder):
             prefill_block_table=cm.block_table_tensor[pre],
             prefill_query_start=t([cm.query_start_loc_cpu[i] for i in pre]),
             prefill_query_lens=t([qlens[i] for i in pre]),
-            prefill_context_lens=t([cm.num_computed_tokens_cpu[i] for i in pre]),
+            prefill_context_lens=t([cm.seq_lens_cpu_upper_bound[i] - qlens[i] for i in pre]),
         )
 
 

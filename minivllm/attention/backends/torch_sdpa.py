@@ -110,7 +110,7 @@ class TorchSDPAMetadataBuilder(AttentionMetadataBuilder):
         prefill_reqs = [i for i, q in enumerate(qlens) if q > 1]
         groups: List[DecodeGroup] = []
         if decode_reqs:
-            lens = [cm.seq_lens_cpu[i] for i in decode_reqs]
+            lens = [cm.seq_lens_cpu_upper_bound[i] for i in decode_reqs]
             # Each group costs a few more operators; with two threads each operator also costs a barrier, and two
             # groups measured faster than four (one thread: four).
             parts = split_decode_groups(lens, max_groups=4 if torch.get_num_threads() == 1 else 2)

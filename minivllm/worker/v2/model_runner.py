@@ -71,7 +71,7 @@ class ModelRunnerV2(ModelRunnerBase):
         """Sample every row from (seed, position); keep ``num_sampled`` tokens: 0 for a partial prefill, else 1."""
         states = [s for s in inputs.states if isinstance(s, RequestStateV2)]
         assert len(states) == len(inputs.states)
-        seq_lens = inputs.common_attn_metadata.seq_lens_cpu
+        seq_lens = inputs.common_attn_metadata.seq_lens_cpu_upper_bound
         smd = self._sampling_metadata(
             states, generators=[None] * len(states), seeds=[s.seed for s in states],
             positions=[n - 1 for n in seq_lens],  # the position of the token whose logits are sampled
