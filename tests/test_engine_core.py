@@ -63,3 +63,18 @@ def test_step_observers_see_each_step_before_and_after_the_forward_pass():
         ("schedule", {"a": 2}, {"a": 0}), ("end", [("a", 1, False)], 6),
         ("schedule", {"a": 1}, {"a": 1}), ("end", [("a", 1, True)], 8),  # finished: its blocks are back
     ]
+
+
+def test_scheduler_stats_come_with_each_step_when_asked_for():
+    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=8, max_num_batched_tokens=8, max_num_seqs=1)
+    eng.add_request("a", [1, 2, 3], greedy(4))  # runs alone (max_num_seqs=1) while "b" waits
+    eng.add_request("b", [4, 5, 6], greedy(2))
+    assert eng.engine_core.step().scheduler_stats is None  # off unless a front end asks (vLLM's log_stats)
+    eng.engine_core.scheduler.log_stats = True
+    eng.step()
+    s = eng.scheduler_stats
+    assert (s.num_running_reqs, s.num_waiting_reqs, s.step_counter) == (1, 1, 2)
+    assert s.kv_cache_usage == eng.kv_cache_manager.usage > 0
+    eng.abort_request(["a", "b"])
+    after = eng.engine_core.scheduler.make_stats()
+    assert (after.num_running_reqs, after.num_waiting_reqs, after.kv_cache_usage) == (0, 0, 0.0)

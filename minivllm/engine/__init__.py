@@ -10,7 +10,10 @@ engine's modules (``llm_engine``, ``llm``, ...) sit above core and worker.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import TYPE_CHECKING, List, Optional
+
+if TYPE_CHECKING:
+    from minivllm.metrics.stats import SchedulerStats
 
 
 @dataclass
@@ -32,7 +35,8 @@ class EngineCoreOutput:
 
 @dataclass
 class EngineCoreOutputs:
-    """What one ``EngineCore.step()`` produced: one ``EngineCoreOutput`` per request that got tokens or finished
-    (vLLM ``EngineCoreOutputs``)."""
+    """What one ``EngineCore.step()`` produced: one ``EngineCoreOutput`` per request that got tokens or finished,
+    and the scheduler's ``SchedulerStats`` after it when stats are on (vLLM ``EngineCoreOutputs``)."""
 
     outputs: List[EngineCoreOutput] = field(default_factory=list)
+    scheduler_stats: Optional["SchedulerStats"] = None

@@ -25,9 +25,10 @@ import asyncio
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncGenerator, Dict, List, Tuple
+from typing import AsyncGenerator, Dict, List, Optional, Tuple
 
 from minivllm.engine.llm_engine import LLMEngine, PromptType
+from minivllm.metrics.stats import SchedulerStats
 from minivllm.outputs import RequestOutput
 from minivllm.sampling_params import SamplingParams
 
@@ -38,10 +39,8 @@ class EngineDeadError(RuntimeError):
 
 @dataclass
 class EngineStats:
-    """A snapshot of the engine taken after each step by the engine thread (read by ``/metrics``).
-
-    vLLM's counterpart is ``SchedulerStats``, sent from the engine core to the front end's stat loggers.
-    """
+    """The engine as ``/metrics`` reads it: the scheduler's last ``SchedulerStats`` (vLLM's, carried in
+    ``EngineCoreOutputs`` after each step, and made again after aborts) and the steps this front end ran."""
 
     num_running_reqs: int = 0
     num_waiting_reqs: int = 0
@@ -72,6 +71,7 @@ class AsyncLLM:
     def __init__(self, engine: LLMEngine, log_stats: bool = True) -> None:
         self.engine = engine
         self.log_stats = log_stats
+        engine.engine_core.scheduler.log_stats = log_stats
         self.stats = EngineStats()
         self._cond = threading.Condition()
         self._adds: List[Tuple[str, PromptType, SamplingParams, _Stream, "asyncio.Future[None]"]] = []
@@ -195,12 +195,13 @@ class AsyncLLM:
                     self._deliver(engine.abort_request(aborts))
                     for rid in aborts:  # unknown or already finished: nothing more will come for it
                         self._streams.pop(rid, None)
+                    # No step may follow (nothing left to run): the gauges must not keep the aborted requests.
+                    self._snapshot(engine.engine_core.scheduler.make_stats(), steps=0)
                 if shutdown:
-                    self._snapshot()
                     return
                 if engine.has_unfinished_requests():
                     self._deliver(engine.step())
-                    self._snapshot()
+                    self._snapshot(engine.scheduler_stats, steps=1)
         except BaseException as e:  # a bug in a step: fail every waiting caller instead of leaving them hanging
             self._dead = True
             for _rid, stream in self._streams.items():
@@ -225,14 +226,14 @@ class AsyncLLM:
                 del self._streams[out.request_id]
             _post(stream.loop, stream.queue.put_nowait, out)
 
-    def _snapshot(self) -> None:
-        if not self.log_stats:
+    def _snapshot(self, scheduler_stats: Optional[SchedulerStats], steps: int) -> None:
+        if not self.log_stats or scheduler_stats is None:
             return
-        sched = self.engine.scheduler
+        s = scheduler_stats
         self.stats = EngineStats(
-            num_running_reqs=len(sched.running), num_waiting_reqs=len(sched.waiting),
-            kv_cache_usage=self.engine.kv_cache_manager.usage, num_preemptions=sched.stats.num_preemptions,
-            num_steps=self.stats.num_steps + 1,
+            num_running_reqs=s.num_running_reqs, num_waiting_reqs=s.num_waiting_reqs,
+            kv_cache_usage=s.kv_cache_usage, num_preemptions=s.num_preemptions,
+            num_steps=self.stats.num_steps + steps,
         )
 
 

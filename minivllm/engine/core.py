@@ -149,7 +149,8 @@ class EngineCore:
             return self.step_with_batch_queue()
         scheduler_output = self._schedule()
         model_output = self.model_executor.execute_model(scheduler_output)
-        return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output))
+        return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output),
+                                 self.scheduler.make_stats())
 
     def step_with_batch_queue(self) -> EngineCoreOutputs:
         """vLLM ``EngineCore.step_with_batch_queue`` (v0.32.0): while the queue has room and requests remain,
@@ -161,7 +162,7 @@ class EngineCore:
             queue.appendleft((scheduler_output, self.model_executor.execute_model(scheduler_output)))
             executed = scheduler_output.total_num_scheduled_tokens > 0
             if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_unfinished_requests()):
-                return EngineCoreOutputs([])
+                return EngineCoreOutputs([], self.scheduler.make_stats())
         elif not queue:
             return EngineCoreOutputs([])
         outputs = self.scheduler.update_from_output(*queue.pop())
@@ -169,7 +170,7 @@ class EngineCore:
             # Nothing left to schedule: the step still queued holds finished requests only; process it now so
             # that no step is left behind (vLLM's busy loop would do so at once).
             outputs += self.scheduler.update_from_output(*queue.pop())
-        return EngineCoreOutputs(outputs)
+        return EngineCoreOutputs(outputs, self.scheduler.make_stats())
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

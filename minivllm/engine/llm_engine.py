@@ -16,6 +16,7 @@ from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core import EngineCore, StepObserver
 from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor
+from minivllm.metrics.stats import SchedulerStats
 from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
@@ -68,6 +69,8 @@ class LLMEngine:
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler = self.engine_core.scheduler
         self.kv_cache_manager = self.engine_core.kv_cache_manager
+        # The last step's SchedulerStats, when the scheduler's log_stats is on (vLLM hands them to its loggers).
+        self.scheduler_stats: Optional[SchedulerStats] = None
         self._counter = itertools.count()
 
     @property
@@ -175,6 +178,8 @@ class LLMEngine:
         With ``output_kind=FINAL_ONLY`` a running request returns nothing until it finishes.
         """
         core_outputs = self.engine_core.step()
+        if core_outputs.scheduler_stats is not None:
+            self.scheduler_stats = core_outputs.scheduler_stats
         processed = self.output_processor.process_outputs(core_outputs.outputs)
         self.engine_core.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         for observer in self.engine_core.step_observers:

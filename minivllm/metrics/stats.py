@@ -1,8 +1,9 @@
-"""Scheduler and prefix-cache counters (vLLM: ``vllm/v1/metrics/stats.py``).
+"""Scheduler and prefix-cache statistics (vLLM: ``vllm/v1/metrics/stats.py``).
 
-minivllm differs from vLLM here: vLLM's ``SchedulerStats`` is a snapshot the scheduler makes each step for the
-loggers (queue lengths, KV usage); minivllm has no stat loggers, so ``SchedulerStats`` counts a whole run and is
-read directly (``LLMEngine.num_preemptions``, the CLI summary, the benchmark, notebook 07).
+``SchedulerStats`` is vLLM's: the snapshot the scheduler makes after each step (``Scheduler.make_stats``), carried
+to the front end in ``EngineCoreOutputs.scheduler_stats`` (``/metrics`` reads it). ``SchedulerCounters`` is
+minivllm's: counters of a whole run, read directly (``Scheduler.stats``: ``LLMEngine.num_preemptions``, the CLI
+summary, the benchmark, notebook 07); vLLM counts preemptions from the requests' events instead.
 """
 
 from __future__ import annotations
@@ -12,6 +13,24 @@ from dataclasses import dataclass
 
 @dataclass
 class SchedulerStats:
+    """One step's view of the scheduler (vLLM ``SchedulerStats``, the fields minivllm has).
+
+    Attributes:
+        num_running_reqs / num_waiting_reqs: requests in the running and waiting queues after the step.
+        kv_cache_usage: fraction of the pool's blocks in use, in [0, 1] (``KVCacheManager.usage``).
+        step_counter: ``schedule()`` calls so far.
+        num_preemptions: preemptions since the engine started (minivllm's addition; see the module docstring).
+    """
+
+    num_running_reqs: int = 0
+    num_waiting_reqs: int = 0
+    kv_cache_usage: float = 0.0
+    step_counter: int = 0
+    num_preemptions: int = 0
+
+
+@dataclass
+class SchedulerCounters:
     """Counters of a whole run, kept by the ``Scheduler`` (one increment per ``schedule()`` call).
 
     Attributes:

@@ -37,7 +37,7 @@ from minivllm.core.sched.output import CachedRequestData, NewRequestData, Schedu
 from minivllm.core.sched.request_queue import create_request_queue
 from minivllm.core.sched.utils import check_stop
 from minivllm.engine import EngineCoreOutput
-from minivllm.metrics.stats import SchedulerStats
+from minivllm.metrics.stats import SchedulerCounters, SchedulerStats
 from minivllm.outputs import ModelRunnerOutput
 from minivllm.request import Request, RequestStatus, is_partial_prefill
 
@@ -80,7 +80,9 @@ class Scheduler:
         # Preempted between steps by reset_prefix_cache(reset_running_requests=True); sent with the next step's
         # SchedulerOutput.preempted_req_ids (vLLM keeps every preemption in a set of this name).
         self.reset_preempted_req_ids: Set[str] = set()
-        self.stats = SchedulerStats()
+        self.stats = SchedulerCounters()
+        # vLLM's log_stats: make_stats() returns a snapshot only when a front end asked for one (AsyncLLM does).
+        self.log_stats = False
         self.use_v2_model_runner = scheduler_config.use_v2_model_runner
         # V1 runner only: a cached request not scheduled in the previous step gets its all_token_ids again
         # (vLLM's prev_step_scheduled_req_ids; the V2 runner keeps every request's tokens itself).
@@ -426,6 +428,16 @@ class Scheduler:
         if request.num_computed_tokens >= request.num_tokens:
             request.num_computed_tokens = request.num_tokens - 1  # recompute one token to get its logits
         return True
+
+    def make_stats(self) -> Optional[SchedulerStats]:
+        """The queues and the pool now, or ``None`` when ``log_stats`` is off (vLLM ``Scheduler.make_stats``, called
+        at the end of ``update_from_output``; minivllm's ``EngineCore`` calls it after each step and the
+        ``AsyncLLM`` after aborts, so that no gauge goes stale)."""
+        if not self.log_stats:
+            return None
+        return SchedulerStats(num_running_reqs=len(self.running), num_waiting_reqs=len(self.waiting),
+                              kv_cache_usage=self.kv_cache_manager.usage, step_counter=self.stats.num_steps,
+                              num_preemptions=self.stats.num_preemptions)
 
     # ---------------------------------------------------------------------------------------------------------
     def update_from_output(
