@@ -360,10 +360,9 @@ def test_dead_engine_sends_error_events_and_the_server_exits_non_zero(tiny):
     assert not thread.is_alive() and rc == [1]
 
 
-def test_server_options_env_key_docs_and_cors(tiny, monkeypatch):
+def test_server_options_docs_and_cors(tiny):
     async_llm, _server = tiny
-    monkeypatch.setenv("VLLM_API_KEY", "from-env")
-    server = ServerThread(build_app(async_llm, "tiny", disable_fastapi_docs=True,
+    server = ServerThread(build_app(async_llm, "tiny", "from-env", disable_fastapi_docs=True,
                                     allowed_origins=["http://app.example"]))
     try:
         assert httpx.get(server.base + "/v1/models", timeout=10).status_code == 401
@@ -380,7 +379,6 @@ def test_server_options_env_key_docs_and_cors(tiny, monkeypatch):
         assert "access-control-allow-origin" not in pre.headers
     finally:
         server.stop()
-    monkeypatch.delenv("VLLM_API_KEY")
     server = ServerThread(build_app(async_llm, "tiny"))
     try:
         assert httpx.get(server.base + "/docs", timeout=10).status_code == 200
@@ -390,10 +388,10 @@ def test_server_options_env_key_docs_and_cors(tiny, monkeypatch):
         server.stop()
 
 
-def test_server_cli_args_have_vllms_names():
+def test_server_cli_args_have_vllms_names(monkeypatch):
     import argparse
 
-    from minivllm.entrypoints.openai.cli_args import add_server_args, app_options
+    from minivllm.entrypoints.openai.cli_args import add_server_args, api_key, app_options
 
     parser = add_server_args(argparse.ArgumentParser())
     args = parser.parse_args(["--allowed-origins", '["http://a.example"]', "--allowed-methods", "GET,POST",
@@ -402,3 +400,7 @@ def test_server_cli_args_have_vllms_names():
                                      allowed_headers=["*"], allow_credentials=True, disable_fastapi_docs=True)
     defaults = parser.parse_args([])
     assert (defaults.host, defaults.port, defaults.api_key, defaults.allowed_origins) == ("127.0.0.1", 8000, None, [])
+    monkeypatch.delenv("VLLM_API_KEY", raising=False)
+    assert api_key(defaults) is None
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")  # vLLM's fallback: the key need not be visible in ps
+    assert api_key(defaults) == "from-env" and api_key(parser.parse_args(["--api-key", "cli"])) == "cli"

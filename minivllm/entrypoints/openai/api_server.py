@@ -33,7 +33,6 @@ import asyncio
 import hashlib
 import json
 import logging
-import os
 import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
@@ -216,8 +215,8 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
               allow_credentials: bool = False, disable_fastapi_docs: bool = False) -> FastAPI:
     """The FastAPI application serving ``engine_client`` under ``served_model_name``.
 
-    ``api_key`` defaults to the ``VLLM_API_KEY`` environment variable, as in vLLM (a key on the command line is
-    visible to every user in ``ps``). ``allowed_origins`` etc. are vLLM's CORS options (``cli_args.py``): with no
+    ``api_key``: the key ``/v1`` routes require (``cli_args.api_key`` falls back to ``VLLM_API_KEY``).
+    ``allowed_origins`` etc. are vLLM's CORS options (``cli_args.py``): with no
     origin given, as by default, no cross-origin browser request is allowed. ``disable_fastapi_docs`` removes
     ``/docs``, ``/redoc`` and ``/openapi.json``.
 
@@ -233,7 +232,6 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     app.state.max_body_bytes = max_body_bytes(completion.max_model_len, completion.max_chars_per_token)
     # Starlette runs the last middleware added first: CORS (answers preflights), then the key, then the body.
     app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes)
-    api_key = api_key or os.environ.get("VLLM_API_KEY") or None
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     if allowed_origins:

@@ -1,7 +1,7 @@
 """The server's own command-line options of ``python -m minivllm serve``, with vLLM's names and defaults (vLLM 0.32:
 ``FrontendArgs`` in ``vllm/entrypoints/launchers/cli_args.py``).
 
-``--api-key`` falls back to the ``VLLM_API_KEY`` environment variable (read by ``build_app``, as vLLM's
+``--api-key`` falls back to the ``VLLM_API_KEY`` environment variable (``api_key(args)``, as vLLM's
 ``vllm/entrypoints/serve/middleware/register.py`` does), so that the key need not appear in ``ps``.
 ``--allowed-origins`` (default none: no cross-origin browser access), ``--allowed-methods``, ``--allowed-headers``
 and ``--allow-credentials`` are vLLM's CORS options. ``--disable-fastapi-docs`` removes ``/docs``, ``/redoc`` and
@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Any, Dict, List
+import os
+from typing import Any, Dict, List, Optional
 
 
 def _list(value: str) -> List[str]:
@@ -48,3 +49,8 @@ def app_options(args: argparse.Namespace) -> Dict[str, Any]:
     return dict(allowed_origins=args.allowed_origins, allowed_methods=args.allowed_methods,
                 allowed_headers=args.allowed_headers, allow_credentials=args.allow_credentials,
                 disable_fastapi_docs=args.disable_fastapi_docs)
+
+
+def api_key(args: argparse.Namespace) -> Optional[str]:
+    """The key ``/v1`` routes require: ``--api-key``, else ``$VLLM_API_KEY``, else none."""
+    return args.api_key or os.environ.get("VLLM_API_KEY") or None
