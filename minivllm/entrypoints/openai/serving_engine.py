@@ -170,6 +170,7 @@ class OpenAIServing:
             raise RequestError(f"{param}: the tokenizer refused it: {e}", param) from None
         self.check_length(len(ids))
         return ids
+
     def check_model(self, request: _SamplingRequest) -> None:
         """Raises ``RequestError`` (404) for a model this server does not serve."""
         if request.model is not None and request.model != self.served_model_name:
