@@ -34,6 +34,8 @@ from typing import Any, Callable, Dict, Iterator, List, Tuple
 
 from minivllm.course.figures import register
 
+# The folder that holds the minivllm package: the checkout, or site-packages in an install (the diagrams read
+# only the package's own source, so both give the same pictures).
 ROOT = Path(__file__).resolve().parents[2]
 
 DOT_INSTALL = "apt-get update -qq && apt-get install -y -qq graphviz"

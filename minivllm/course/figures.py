@@ -194,6 +194,11 @@ def main(argv: Optional[List[str]] = None) -> int:
         print(f"unknown figure(s): {', '.join(unknown)}; known: {', '.join(sorted(figures))}")
         return 2
     out = Path(a.out)
+    if out == DEFAULT_OUT and not (DEFAULT_OUT.parent / "notebooks").is_dir():
+        # An installed package: parents[2] is site-packages, no place for the course's images.
+        print(f"figures: images/ belongs to the minivllm repository, not to the installed package ({DEFAULT_OUT} "
+              "would be inside site-packages); run this from a source checkout or pass --out DIR")
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     for name in names:
         t = time.perf_counter()
