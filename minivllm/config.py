@@ -74,6 +74,9 @@ class SchedulerConfig:
             tokens so far) instead of a resumed entry of ``scheduled_cached_reqs``. The engine sets it from its
             ``model_runner`` argument. (vLLM keeps the switch on ``VllmConfig`` and the scheduler copies it to its
             own ``use_v2_model_runner`` attribute; minivllm builds the scheduler from this config, so it lives here.)
+        scheduler_cls: the scheduler class, or its dotted name ``"package.module.Class"`` (vLLM 0.32's
+            ``SchedulerConfig.scheduler_cls``); ``None``: ``Scheduler``, or ``AsyncScheduler`` with
+            ``async_scheduling``. ``EngineArgs`` resolves and checks it (``minivllm.engine.arg_utils``).
 
     Which combination is vLLM 0.32's default:
         * on a GPU (``HAS_TRITON``): ``use_v2_model_runner=True, async_scheduling=True,
@@ -96,6 +99,7 @@ class SchedulerConfig:
     scheduler_reserve_full_isl: bool = True
     async_scheduling: bool = False
     use_v2_model_runner: bool = False
+    scheduler_cls: Any = None
 
     def verify(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):

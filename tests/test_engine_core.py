@@ -5,6 +5,7 @@ import dataclasses
 import pytest
 
 from minivllm import LLMEngine, SamplingParams
+from minivllm.core.sched.scheduler import Scheduler
 from minivllm.engine.arg_utils import EngineArgs
 
 
@@ -78,3 +79,32 @@ def test_scheduler_stats_come_with_each_step_when_asked_for():
     eng.abort_request(["a", "b"])
     after = eng.engine_core.scheduler.make_stats()
     assert (after.num_running_reqs, after.num_waiting_reqs, after.kv_cache_usage) == (0, 0, 0.0)
+
+
+class CountingScheduler(Scheduler):
+    """A learner's scheduler: vLLM's seam (scheduler_cls) takes a Scheduler subclass."""
+
+    calls = 0
+
+    def schedule(self):
+        CountingScheduler.calls += 1
+        return super().schedule()
+
+
+def test_scheduler_cls_by_class_or_dotted_name():
+    from minivllm.core.sched.async_scheduler import AsyncScheduler
+
+    for cls in (CountingScheduler, f"{__name__}.CountingScheduler"):
+        CountingScheduler.calls = 0
+        eng = LLMEngine("tiny", num_gpu_blocks=8, scheduler_cls=cls)
+        assert type(eng.scheduler) is CountingScheduler
+        eng.add_request("a", [1, 2, 3], greedy(3))
+        eng.run_to_completion()
+        assert CountingScheduler.calls == 3
+    assert type(LLMEngine("tiny", num_gpu_blocks=8, async_scheduling=True).scheduler) is AsyncScheduler
+    with pytest.raises(ValueError, match="scheduler_cls 'no.such.Scheduler' cannot be imported"):
+        EngineArgs("tiny", scheduler_cls="no.such.Scheduler").create_engine_config()
+    with pytest.raises(ValueError, match="subclass of minivllm's Scheduler"):
+        EngineArgs("tiny", scheduler_cls=dict).create_engine_config()
+    with pytest.raises(ValueError, match="must derive from AsyncScheduler when async_scheduling=True"):
+        EngineArgs("tiny", scheduler_cls=CountingScheduler, async_scheduling=True).create_engine_config()

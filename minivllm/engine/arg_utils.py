@@ -7,6 +7,7 @@ bad setting raises a ``ValueError`` naming the parameter and the limit and leave
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Any, Optional, Tuple, Union
 
@@ -44,6 +45,40 @@ def resolve_device(device: Optional[str]) -> torch.device:
     return dev
 
 
+def resolve_scheduler_cls(scheduler_cls: Any, async_scheduling: bool) -> type:
+    """The scheduler class of ``scheduler_cls`` (vLLM ``SchedulerConfig.get_scheduler_cls``): ``None`` gives
+    ``Scheduler``, or ``AsyncScheduler`` with ``async_scheduling``; a class is taken as it is; a string
+    ``"package.module.Class"`` is imported.
+
+    Where minivllm differs from vLLM: vLLM only warns when a custom class that does not derive from
+    ``AsyncScheduler`` runs with async scheduling (its placeholders are then not kept); minivllm refuses it.
+
+    Raises:
+        ValueError: naming ``scheduler_cls`` when it cannot be imported, is not a ``Scheduler`` subclass, or is
+            not an ``AsyncScheduler`` subclass under ``async_scheduling``.
+    """
+    from minivllm.core.sched.async_scheduler import AsyncScheduler
+    from minivllm.core.sched.scheduler import Scheduler
+
+    if scheduler_cls is None:
+        return AsyncScheduler if async_scheduling else Scheduler
+    cls = scheduler_cls
+    if isinstance(scheduler_cls, str):
+        module_name, _, name = scheduler_cls.rpartition(".")
+        try:
+            cls = getattr(importlib.import_module(module_name), name) if module_name else None
+        except (ImportError, AttributeError) as e:
+            raise ValueError(f"scheduler_cls {scheduler_cls!r} cannot be imported: {e}") from e
+        if cls is None:
+            raise ValueError(f"scheduler_cls must be a class or 'package.module.Class', got {scheduler_cls!r}")
+    if not isinstance(cls, type) or not issubclass(cls, Scheduler):
+        raise ValueError(f"scheduler_cls must be a subclass of minivllm's Scheduler, got {scheduler_cls!r}")
+    if async_scheduling and not issubclass(cls, AsyncScheduler):
+        raise ValueError(f"scheduler_cls {cls.__name__} must derive from AsyncScheduler when async_scheduling=True "
+                         "(it keeps the output placeholders that the batch queue needs)")
+    return cls
+
+
 @dataclass
 class EngineArgs:
     """Engine settings with vLLM's names.
@@ -63,6 +98,8 @@ class EngineArgs:
             share of ``gpu_memory_utilization`` on CUDA), at most 8192; sized by ``EngineCore`` at start-up.
         kv_cache_memory_bytes: memory for the KV cache of all layers when ``num_gpu_blocks`` is ``None``.
         gpu_memory_utilization: on CUDA, the share of device memory the engine may use (vLLM's, default 0.9).
+        scheduler_cls: a ``Scheduler`` subclass or its dotted name (vLLM's ``scheduler_cls``, ``--scheduler-cls``);
+            ``None``: ``Scheduler``, or ``AsyncScheduler`` with ``async_scheduling`` (``resolve_scheduler_cls``).
         max_num_batched_tokens: the token budget per step. Default 2048 (or ``max_model_len`` if larger and
             chunked prefill is off).
         max_num_seqs: running requests at most. Default: 256, or ``max_num_batched_tokens`` if smaller.
@@ -119,6 +156,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     distributed_executor_backend: Optional[str] = None
     gpu_memory_utilization: float = 0.9
+    scheduler_cls: Any = None
 
     def _resolve_model_runner(self) -> str:
         """``"v1"`` or ``"v2"``: ``model_runner``, else ``VLLM_USE_V2_MODEL_RUNNER``, else V1 (vLLM would pick V2
@@ -186,6 +224,7 @@ class EngineArgs:
             self.long_prefill_token_threshold, self.scheduling_policy,
             scheduler_reserve_full_isl=self.scheduler_reserve_full_isl, async_scheduling=self.async_scheduling,
             use_v2_model_runner=self._resolve_model_runner() == "v2",
+            scheduler_cls=resolve_scheduler_cls(self.scheduler_cls, self.async_scheduling),
         )
         scheduler_config.verify()
         cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching,

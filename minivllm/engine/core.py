@@ -83,8 +83,8 @@ class EngineCore:
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching)
-        scheduler_cls = AsyncScheduler if sched.async_scheduling else Scheduler
-        self.scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
+        scheduler_cls = sched.scheduler_cls or (AsyncScheduler if sched.async_scheduling else Scheduler)
+        self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
         self.step_observers: List[StepObserver] = []
         # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
         self.batch_queue_size = 2 if sched.async_scheduling else 1
