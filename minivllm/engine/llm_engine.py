@@ -38,8 +38,8 @@ class LLMEngine:
             ``enable_prefix_caching``, ``dtype``, ``device``, ``kv_connector``, ...).
 
     Attributes:
-        vllm_config, model_config (the model's ``LlamaConfig``, vLLM's ``model_config.hf_config``; the name is
-        kept for the notebooks), cache_config, scheduler_config: the settings.
+        vllm_config, model_config (a ``ModelConfig``, as in vLLM), hf_config (the model's ``LlamaConfig``,
+        ``model_config.hf_config``), cache_config, scheduler_config: the settings.
         tokenizer: loaded here, in the front end, as vLLM's ``InputProcessor`` loads it (``None`` for a model
         without one).
         input_processor, engine_core, output_processor: the three layers.
@@ -56,7 +56,8 @@ class LLMEngine:
         config = EngineArgs(model, **engine_kwargs).create_engine_config()
         self.vllm_config = config
         self.model_config, self.cache_config, self.scheduler_config = (
-            config.hf_config, config.cache_config, config.scheduler_config)
+            config.model_config, config.cache_config, config.scheduler_config)
+        self.hf_config = config.hf_config
         self.dtype, self.device = config.dtype, config.device
         self.kv_connector = config.kv_connector
         self.tokenizer = engine_kwargs.get("tokenizer")
@@ -96,7 +97,7 @@ class LLMEngine:
     # ---- requests -------------------------------------------------------------------------------------------
     @property
     def vocab_size(self) -> int:
-        return self.model_config.vocab_size
+        return self.hf_config.vocab_size
 
     @property
     def eos_token_id(self) -> Optional[int]:
