@@ -100,16 +100,18 @@ def cmd_chat(a) -> int:
 
 def cmd_serve(a) -> int:
     from minivllm.engine.async_llm import AsyncLLM
+    from minivllm.entrypoints.openai import cli_args
     from minivllm.entrypoints.openai.api_server import DEFAULT_MODEL_NAME, run_server
 
     engine_client = AsyncLLM.from_engine_args(
         a.model, dtype=a.dtype, device=a.device, block_size=a.block_size, num_gpu_blocks=a.num_gpu_blocks,
         max_num_batched_tokens=a.max_num_batched_tokens, max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len,
-        enable_prefix_caching=not a.no_prefix_caching, seed=a.seed,
+        enable_prefix_caching=not a.no_prefix_caching, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size,
+        scheduler_cls=a.scheduler_cls,
     )
     name = a.served_model_name or (a.model if a.model is not None else DEFAULT_MODEL_NAME)
     print(f"[minivllm] serving {name!r} on http://{a.host}:{a.port}/v1", flush=True)
-    return run_server(engine_client, name, a.host, a.port, a.api_key)
+    return run_server(engine_client, name, a.host, a.port, cli_args.api_key(a), **cli_args.app_options(a))
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -137,11 +139,14 @@ def main(argv: Optional[List[str]] = None) -> int:
     s.add_argument("--max-model-len", type=int, default=None)
     s.add_argument("--no-prefix-caching", action="store_true")
     s.add_argument("--seed", type=int, default=0, help="seed of requests without their own seed")
-    # The server's own options (fastapi and uvicorn load only when ``serve`` runs).
-    s.add_argument("--host", default="127.0.0.1", help="bind address (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer <key>' on /v1 routes")
-    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: the model)")
+    s.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="worker processes that share every layer (vLLM's --tensor-parallel-size)")
+    s.add_argument("--scheduler-cls", default=None,
+                   help="the scheduler class as 'package.module.Class' (vLLM's --scheduler-cls)")
+    # The server's own options, vLLM's names (fastapi and uvicorn load only when ``serve`` runs).
+    from minivllm.entrypoints.openai.cli_args import add_server_args
+
+    add_server_args(s)
     sub.add_parser("bench", help="benchmark (see python -m minivllm bench --help)", add_help=False)
     sub.add_parser("figures", help="regenerate images/ from real engine runs")
     argv = sys.argv[1:] if argv is None else argv

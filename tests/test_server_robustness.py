@@ -407,3 +407,36 @@ def test_server_cli_args_have_vllms_names(monkeypatch):
     assert api_key(defaults) is None
     monkeypatch.setenv("VLLM_API_KEY", "from-env")  # vLLM's fallback: the key need not be visible in ps
     assert api_key(defaults) == "from-env" and api_key(parser.parse_args(["--api-key", "cli"])) == "cli"
+
+
+def test_serve_command_line_has_vllms_server_and_engine_flags(capsys):
+    from minivllm.__main__ import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    text = capsys.readouterr().out
+    for flag in ("--allowed-origins", "--disable-fastapi-docs", "--tensor-parallel-size", "--scheduler-cls",
+                 "$VLLM_API_KEY"):
+        assert flag in text, flag
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the loop re-raises, by design
+def test_dead_error_names_the_cause_without_keeping_its_frames():
+    engine = LLMEngine("tiny", num_gpu_blocks=8)
+
+    def boom():
+        raise RuntimeError("step failed")
+
+    engine.step = boom
+    client = AsyncLLM(engine)
+    assert client.is_running and client.dead_error is None
+
+    async def one():
+        q = await client.add_request("r", [1, 2, 3], SamplingParams(max_tokens=2))
+        return await q.get()
+
+    out = asyncio.run(one())
+    client._thread.join(5)
+    assert out.finished and not client.is_running
+    assert "RuntimeError('step failed')" in str(client.dead_error)
+    assert client.dead_error.__traceback__ is None  # the failed step's frames are not kept alive by it

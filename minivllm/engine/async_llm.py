@@ -79,6 +79,7 @@ class AsyncLLM:
         self._streams: Dict[str, _Stream] = {}  # engine thread only
         self._shutdown = False
         self._dead = False
+        self.dead_error: Optional[BaseException] = None  # what killed the engine thread, if anything did
         self._thread = threading.Thread(target=self._engine_loop, name="minivllm-engine", daemon=True)
         self._thread.start()
 
@@ -92,6 +93,12 @@ class AsyncLLM:
     def errored(self) -> bool:
         """True once the engine no longer accepts requests (shut down, or its thread died)."""
         return self._dead or self._shutdown
+
+    @property
+    def is_running(self) -> bool:
+        """True while the engine thread steps (vLLM ``EngineClient.is_running``): False after ``shutdown()`` and
+        after an error; ``dead_error`` then says which."""
+        return not self.errored
 
     async def add_request(self, request_id: str, prompt: PromptType, params: SamplingParams) -> "asyncio.Queue[RequestOutput]":
         """Queue one request; returns its output queue once the engine thread accepted it.
@@ -204,6 +211,9 @@ class AsyncLLM:
                     self._snapshot(engine.scheduler_stats, steps=1)
         except BaseException as e:  # a bug in a step: fail every waiting caller instead of leaving them hanging
             self._dead = True
+            # A new error naming the cause, not the cause itself: its frames would keep every local of the failed
+            # step (requests included) alive as long as the server is.
+            self.dead_error = EngineDeadError(f"the engine loop raised {e!r}")
             for _rid, stream in self._streams.items():
                 _post(stream.loop, stream.queue.put_nowait, _aborted_output(_rid))
             with self._cond:

@@ -200,8 +200,10 @@ def _start_servers(a, log_dir: str, skipped: Dict[str, str]) -> Tuple[list, List
         for s in started:
             s.stop()
         raise
+    # Both servers take VLLM_API_KEY from the environment they inherit as their key: send it to them.
+    key = os.environ.get("VLLM_API_KEY") or None
     for s in started:
-        targets.append({"name": s.name, "base_url": s.base_url, "model": s.served_model_name, "api_key": None,
+        targets.append({"name": s.name, "base_url": s.base_url, "model": s.served_model_name, "api_key": key,
                         "startup_s": s.startup_s})
     return started, targets
 

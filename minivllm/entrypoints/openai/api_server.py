@@ -37,7 +37,7 @@ import secrets
 import socket
 from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
-from typing import Any, Awaitable, List, Optional, Sequence
+from typing import Any, Awaitable, Dict, List, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -222,7 +222,7 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
 
     Several apps may share one ``AsyncLLM`` (each stream is bound to the event loop that opened it).
     """
-    docs = {} if not disable_fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
+    docs: Dict[str, Any] = {} if not disable_fastapi_docs else dict(docs_url=None, redoc_url=None, openapi_url=None)
     app = FastAPI(title="minivllm OpenAI-compatible server", **docs)
     metrics = ServerMetrics(engine_client, served_model_name)
     executor = ThreadPoolExecutor(1, thread_name_prefix="minivllm-tokenize")

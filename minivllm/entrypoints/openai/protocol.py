@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
@@ -100,7 +100,7 @@ def _check_strings(value: Any, name: str) -> Any:
 
 
 # The neutral value of each field minivllm's engine does not implement (vLLM's defaults).
-UNSUPPORTED_FIELDS = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
+UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
                       "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
                       "response_format": (None, {"type": "text"}), "tools": (None, []),
                       "tool_choice": (None, "none")}

@@ -20,7 +20,7 @@ def _prompt(prompt: Union[str, List[int], List[str], List[List[int]]]) -> Union[
             raise RequestError(f"prompt must be one prompt (minivllm serves n=1 and no batches), got a list of "
                                f"{len(prompt)} prompts", "prompt")
         prompt = prompt[0]
-    return prompt
+    return prompt  # type: ignore[return-value]  # one prompt: a str, or a list of ids
 
 
 class OpenAIServingCompletion(OpenAIServing):

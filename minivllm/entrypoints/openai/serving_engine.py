@@ -78,12 +78,9 @@ class EngineDeadRequestError(RequestError):
 
 
 def engine_dead(engine_client: AsyncLLM) -> bool:
-    """True once the engine's thread died by an error, not by ``shutdown()`` (whose aborts are normal ends).
-
-    ``AsyncLLM`` says only ``errored`` (dead or shut down); vLLM's ``EngineClient`` has ``errored`` and
-    ``is_running`` for this.
-    """
-    return engine_client.errored and not engine_client._shutdown
+    """True once the engine's thread died by an error, not by ``shutdown()`` (whose aborts are normal ends):
+    ``AsyncLLM.dead_error`` is set (vLLM's ``EngineClient.errored`` with its ``dead_error``)."""
+    return engine_client.dead_error is not None
 
 
 def param_of(message: str) -> Optional[str]:
