@@ -8,12 +8,45 @@ from typing import Dict, List, Optional, Set
 
 
 @dataclass
+class LogprobsEntry:
+    """The logprobs of one token position (vLLM ``LogprobsLists`` row).
+
+    Attributes:
+        token_ids: the token (sampled, or the prompt's) first, then the top ``k`` ids, best first.
+        logprobs: float log-probabilities of those ids (natural log), same order.
+        rank: the first token's rank in the row (1 = most likely; ``1 + #tokens with a strictly higher logprob``
+            counted as vLLM's ``batched_count_greater_than``: tokens with logprob ``>=`` its own).
+    """
+
+    token_ids: List[int]
+    logprobs: List[float]
+    rank: int
+
+
+@dataclass
+class Logprob:
+    """One token's entry in a logprobs dict (vLLM ``vllm/logprobs.py`` ``Logprob``): its natural-log
+    probability, its rank (1 = most likely) and its text (``None`` without a tokenizer)."""
+
+    logprob: float
+    rank: Optional[int] = None
+    decoded_token: Optional[str] = None
+
+
+# vLLM's SampleLogprobs / PromptLogprobs: one dict {token id: Logprob} per position (the prompt's first is None).
+SampleLogprobs = List[Dict[int, Logprob]]
+PromptLogprobs = List[Optional[Dict[int, Logprob]]]
+
+
+@dataclass
 class CompletionOutput:
     """One completion: ``text``, ``token_ids``, and why it ended.
 
     ``finish_reason`` is ``"stop"`` (EOS, a stop token or a stop string), ``"length"`` (``max_tokens`` or
     ``max_model_len`` reached) or ``"abort"``; ``None`` while the request is still running.
     ``stop_reason`` is the stop string or stop token id that matched, else ``None``.
+    ``logprobs``: with ``SamplingParams.logprobs``, one ``{token id: Logprob}`` per token of ``token_ids`` (the
+    sampled token and the top ones), following ``output_kind`` as ``token_ids`` does; else ``None``.
     """
 
     index: int
@@ -21,6 +54,7 @@ class CompletionOutput:
     token_ids: List[int]
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+    logprobs: Optional[SampleLogprobs] = None
 
     def finished(self) -> bool:
         return self.finish_reason is not None
@@ -32,7 +66,10 @@ class RequestOutput:
 
     Attributes:
         request_id, prompt, prompt_token_ids: the request.
-        outputs: one ``CompletionOutput`` (minivllm has ``n=1``).
+        outputs: one ``CompletionOutput`` per completion: ``n`` of them for ``SamplingParams.n > 1`` (each with
+            its ``index``; while streaming, only the ones that changed), else one.
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``, one entry per prompt token (the first
+            ``None``), in the request's first output (and in every ``CUMULATIVE`` / final one); else ``None``.
         finished: True once the request ended (finished or aborted).
         num_cached_tokens: prompt tokens served from the prefix cache at first admission.
         num_preemptions: times the request was preempted.
@@ -54,6 +91,7 @@ class RequestOutput:
     num_preemptions: int = 0
     new_token_ids: List[int] = field(default_factory=list)
     new_text: str = ""
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
 
 @dataclass
@@ -62,6 +100,10 @@ class ModelRunnerOutput:
 
     ``sampled_token_ids[i]`` is ``[token]`` for request ``req_ids[i]``, or ``[]`` when that request's step was a
     partial prefill: a token *was* sampled from its last position, then discarded.
+    ``logprobs[i]``: the ``LogprobsEntry`` of request ``i``'s sampled token when it asked for ``logprobs``, else
+    ``None`` (``logprobs`` is ``None`` when no request did). ``prompt_logprobs_dict[req_id]``: a request's prompt
+    logprobs (``None`` first, then one entry per prompt token), in the step whose chunk finished its prompt (vLLM
+    ``prompt_logprobs_dict``, filled from ``in_progress_prompt_logprobs_cpu``).
     """
 
     req_ids: List[str]
@@ -69,3 +111,5 @@ class ModelRunnerOutput:
     sampled_token_ids: List[List[int]]
     finished_recving: Optional[Set[str]] = None
     finished_sending: Optional[Set[str]] = None
+    logprobs: Optional[List[Optional[LogprobsEntry]]] = None
+    prompt_logprobs_dict: Dict[str, List[Optional[LogprobsEntry]]] = field(default_factory=dict)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Optional, Sequence, Union
+from typing import Dict, Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
 
@@ -27,7 +27,23 @@ class SamplingParams:
     """How one request picks its next tokens and when it stops.
 
     Args:
-        n: Number of completions. Only ``n=1`` is supported; the field exists so vLLM code reads the same.
+        n: Number of completions. With ``n > 1`` the engine fans the request out into ``n`` child requests and
+            gathers their outputs into one ``RequestOutput`` (vLLM: ``vllm/v1/engine/parallel_sampling.py``);
+            greedy sampling needs ``n == 1``, as in vLLM (``_verify_greedy_sampling``).
+        presence_penalty: Subtracted from the logit of every token that already appears in the *output*
+            (OpenAI's definition, vLLM ``apply_penalties``). In ``[-2, 2]``; ``0`` disables it.
+        frequency_penalty: Subtracted once per occurrence in the *output*. In ``[-2, 2]``; ``0`` disables it.
+        repetition_penalty: For every token in the prompt *or* the output, a positive logit is divided by it, a
+            negative one multiplied (vLLM ``apply_repetition_penalties_torch``). ``> 0`` and finite; ``1``
+            disables it.
+        logit_bias: ``{token id: bias}`` added to the logits before sampling (vLLM ``LogitBiasLogitsProcessor``);
+            biases are clamped to ``[-100, 100]`` as in vLLM's ``SamplingParams.from_optional``. Ids outside the
+            vocabulary are refused when the request is added (``InputProcessor``).
+        logprobs: Number of top log-probabilities to return per sampled token, besides the sampled token's own
+            (with its rank). From the raw logits, before penalties, bias and temperature (vLLM's default
+            ``logprobs_mode="raw_logprobs"``). ``None``: none; ``-1``: the whole vocabulary; ``True`` means 1.
+        prompt_logprobs: The same for every prompt position (the first entry is ``None``), returned with the
+            request's first output.
         temperature: Softmax temperature. ``0`` means greedy (argmax). Must be ``>= 0``.
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to at least ``top_p``.
             Must be in ``(0, 1]``; ``1`` disables it.
@@ -36,7 +52,8 @@ class SamplingParams:
             every tie). ``0`` or ``-1`` disables it (vLLM accepts both); otherwise it must be ``>= 1``.
         min_p: Drop tokens whose probability is below ``min_p`` times the top token's. In ``[0, 1]``.
         seed: Seed of this request's own ``torch.Generator``. With a seed the sampled text does not depend on
-            the batch it runs in, on chunked prefill or on preemption.
+            the batch it runs in, on chunked prefill or on preemption. Any int64 (vLLM takes any int; ``-1`` means
+            no seed, as in vLLM's ``__post_init__``).
         max_tokens: Maximum number of generated tokens (``>= 1``). ``None`` means "up to ``max_model_len``".
         min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated (EOS also
             with ``ignore_eos``, as in vLLM).
@@ -60,6 +77,9 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     min_p: float = 0.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
     seed: Optional[int] = None
     max_tokens: Optional[int] = 16
     min_tokens: int = 0
@@ -72,6 +92,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     priority: int = 0
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: Optional[Dict[int, float]] = None
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None
     # Filled by the engine: the tokenizer's EOS id (None for models without one).
     eos_token_id: Optional[int] = field(default=None, repr=False)
 
@@ -80,14 +103,44 @@ class SamplingParams:
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.seed == -1 and not isinstance(self.seed, bool):  # vLLM: -1 means "no seed"
+            self.seed = None
+        if self.logprobs is True:  # vLLM's __post_init__
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict):
+                raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")
+            bias: Dict[int, float] = {}
+            for tok, b in self.logit_bias.items():
+                try:
+                    t = int(tok)
+                    if isinstance(b, bool) or not isinstance(b, (int, float)) or not math.isfinite(b):
+                        raise TypeError
+                except (TypeError, ValueError):
+                    raise ValueError(f"logit_bias must map integer token ids to finite numbers, got {tok!r}: {b!r}")
+                bias[t] = min(100.0, max(-100.0, float(b)))  # vLLM's clamp (SamplingParams.from_optional)
+            self.logit_bias = bias
         self._verify()
 
     def _verify(self) -> None:
         def bad(name: str, value, limit: str) -> ValueError:
             return ValueError(f"{name} must be {limit}, got {value!r}")
 
-        if self.n != 1:
-            raise bad("n", self.n, "1 (minivllm returns one completion per request)")
+        if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
+            raise bad("n", self.n, "an int >= 1")
+        for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:
+                raise bad(name, v, f"in [{lo:g}, {hi:g}]")
+        rp = self.repetition_penalty
+        if isinstance(rp, bool) or not isinstance(rp, (int, float)) or not math.isfinite(rp) or rp <= 0:
+            raise bad("repetition_penalty", rp, "a finite number > 0 (1 disables it)")
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or isinstance(v, bool) or (v < 0 and v != -1)):
+                raise bad(name, v, "None, an int >= 0, or -1 (the whole vocabulary)")
         if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
             raise bad("temperature", self.temperature, ">= 0 (0 means greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:  # also rejects NaN
@@ -103,9 +156,9 @@ class SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.seed is not None and (
-            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not 0 <= self.seed < 2**63
+            not isinstance(self.seed, int) or isinstance(self.seed, bool) or not -2**63 <= self.seed < 2**63
         ):
-            raise bad("seed", self.seed, "an int in [0, 2**63 - 1] or None")
+            raise bad("seed", self.seed, "an int64 (in [-2**63, 2**63 - 1]; -1 means none) or None")
         if not isinstance(self.priority, int) or isinstance(self.priority, bool):
             raise bad("priority", self.priority, "an int (lower values are served first)")
         if not isinstance(self.output_kind, RequestOutputKind):
@@ -116,6 +169,18 @@ class SamplingParams:
         for t in self.stop_token_ids:
             if not isinstance(t, int) or t < 0:
                 raise bad("stop_token_ids", t, "non-negative token ids")
+        if self.n > 1 and self.greedy:  # vLLM _verify_greedy_sampling
+            raise bad("n", self.n, "1 when using greedy sampling (temperature 0)")
+
+    @property
+    def needs_penalties(self) -> bool:
+        """Any of the three penalties is set (vLLM ``SamplingMetadata.no_penalties`` is its negation)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def needs_processing(self) -> bool:
+        """The row cannot take the plain greedy fast path: penalties, a bias or logprobs to compute."""
+        return self.needs_penalties or bool(self.logit_bias) or self.logprobs is not None
 
     @property
     def greedy(self) -> bool:
@@ -129,4 +194,6 @@ class SamplingParams:
         c = copy(self)
         c.stop = list(self.stop)
         c.stop_token_ids = list(self.stop_token_ids)
+        if self.logit_bias is not None:
+            c.logit_bias = dict(self.logit_bias)
         return c

@@ -74,12 +74,20 @@ def test_stop_strings_wait_for_min_tokens(tok):
     assert det.output_text == " one two one two three "
 
 
-@pytest.mark.parametrize("seed", [2**64, 2**63, -1, True])
+@pytest.mark.parametrize("seed", [2**64, 2**63, -2**63 - 1, True])
 def test_out_of_range_seed_is_rejected_up_front(seed):
-    with pytest.raises(ValueError, match=r"seed must be an int in \[0, 2\*\*63 - 1\]"):
+    with pytest.raises(ValueError, match=r"seed must be an int64 \(in \[-2\*\*63, 2\*\*63 - 1\]"):
         SamplingParams(seed=seed)
-    with pytest.raises(ValueError, match="seed must be"):
-        make_tiny_engine(seed=seed)
+    if seed != -2**63 - 1:
+        with pytest.raises(ValueError, match="seed must be"):
+            make_tiny_engine(seed=seed)
+
+
+def test_request_seed_takes_vllms_range():
+    """vLLM accepts any int64 seed; -1 means none (SamplingParams.__post_init__)."""
+    assert SamplingParams(seed=-1).seed is None
+    assert SamplingParams(seed=-5).seed == -5
+    assert SamplingParams(seed=-2**63).seed == -2**63
 
 
 @pytest.mark.parametrize("kw, match", [({"arrival_time": "soon"}, "arrival_time"),

@@ -115,8 +115,11 @@ BAD_PARAMS = [
     ("min_p above 1", dict(min_p=1.5), ["min_p", "in [0, 1]", "got 1.5"]),
     ("negative stop token id", dict(stop_token_ids=[-3]), ["stop_token_ids", "non-negative", "got -3"]),
     ("empty stop string", dict(stop=[""]), ["stop", "non-empty", "got ''"]),
-    ("n > 1", dict(n=2), ["n must be 1", "got 2"]),
-    ("negative seed", dict(seed=-1), ["seed", "[0, 2**63 - 1]", "got -1"]),
+    ("n > 1 greedy", dict(n=2, temperature=0.0), ["n must be 1 when using greedy sampling", "got 2"]),
+    ("seed past int64", dict(seed=2**63), ["seed", "[-2**63, 2**63 - 1]", "got 9223372036854775808"]),
+    ("presence_penalty above 2", dict(presence_penalty=2.5), ["presence_penalty", "in [-2, 2]", "got 2.5"]),
+    ("repetition_penalty 0", dict(repetition_penalty=0.0), ["repetition_penalty", "> 0", "got 0.0"]),
+    ("logprobs -2", dict(logprobs=-2), ["logprobs", ">= 0, or -1", "got -2"]),
 ]
 
 

@@ -22,6 +22,11 @@ from minivllm.sampling_params import SamplingParams
 PromptType = Union[str, Sequence[int], Dict[str, Any]]
 
 
+
+# vLLM's ModelConfig.max_logprobs default: the most logprobs / prompt_logprobs a request may ask for (-1, the whole
+# vocabulary, is therefore refused too unless the vocabulary is that small). minivllm has no setting for it.
+MAX_LOGPROBS = 20
+
 class InputProcessor:
     """Turns ``(request_id, prompt, params)`` into a validated ``Request``.
 
@@ -79,7 +84,8 @@ class InputProcessor:
         Raises:
             ValueError: params not a ``SamplingParams``; empty prompt; a token id outside ``[0, vocab_size)``; a
                 prompt longer than ``max_model_len``; a prompt that needs more KV blocks than the pool has; a stop
-                token id outside the vocabulary; a bad ``arrival_time`` or ``priority``; stop strings without a
+                token id or ``logit_bias`` id outside the vocabulary; ``logprobs`` / ``prompt_logprobs`` over
+                ``MAX_LOGPROBS``; a bad ``arrival_time`` or ``priority``; stop strings without a
                 tokenizer.
         """
         params = SamplingParams() if params is None else params
@@ -104,6 +110,16 @@ class InputProcessor:
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
+        if params.logit_bias:  # vLLM SamplingParams._validate_logit_bias
+            bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"logit_bias: token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
+                                 f"Vocabulary size: {self.vocab_size}")
+        for name in ("logprobs", "prompt_logprobs"):  # vLLM SamplingParams._validate_logprobs
+            num = getattr(params, name)
+            if num is not None and (self.vocab_size if num == -1 else num) > MAX_LOGPROBS:
+                raise ValueError(f"{name}: requested {num} logprobs, which is greater than max allowed: "
+                                 f"{MAX_LOGPROBS}")
         if arrival_time is not None and (not isinstance(arrival_time, numbers.Real) or isinstance(arrival_time, bool)
                                          or arrival_time != arrival_time):
             raise ValueError(f"arrival_time must be a number of seconds (or None), got {arrival_time!r}")

@@ -10,14 +10,15 @@ served. Where minivllm differs from vLLM (one process, no engine-core client), s
 from __future__ import annotations
 
 import itertools
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core import EngineCore, StepObserver
 from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.metrics.stats import SchedulerStats
-from minivllm.outputs import RequestOutput
+from minivllm.engine.parallel_sampling import ParentRequest
+from minivllm.outputs import LogprobsEntry, RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -68,6 +69,7 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
+        self._install_logprobs_tap()
         self.scheduler = self.engine_core.scheduler
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         # The last step's SchedulerStats, when the scheduler's log_stats is on (vLLM hands them to its loggers).
@@ -128,10 +130,56 @@ class LLMEngine:
         request_id = str(request_id)
         if request_id in live or self.output_processor.has_request(request_id):
             raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request")
+        if isinstance(params, SamplingParams) and params.n > 1:
+            # vLLM's fan-out (v1/engine/llm_engine.py add_request + parallel_sampling.ParentRequest): n child
+            # requests, all validated before any is queued.
+            parent = ParentRequest(request_id, params)
+            children = []
+            for index in range(params.n):
+                child_id, child_params = parent.get_child_info(index)
+                if child_id in live or self.output_processor.has_request(child_id):
+                    raise ValueError(f"request_id {child_id!r} (child {index} of {request_id!r}) is already in use")
+                children.append(self.input_processor.process_inputs(child_id, prompt, child_params, arrival_time,
+                                                                    priority, cache_salt))
+            for index, child in enumerate(children):
+                self.output_processor.add_request(child, parent, index)
+                self.engine_core.add_request(child)
+            return request_id
         request = self.input_processor.process_inputs(request_id, prompt, params, arrival_time, priority, cache_salt)
         self.output_processor.add_request(request)
         self.engine_core.add_request(request)
         return request_id
+
+    def _install_logprobs_tap(self) -> None:
+        """Carry the model runner's logprobs to the output processor.
+
+        Where minivllm differs from vLLM: vLLM's ``Scheduler.update_from_output`` copies
+        ``ModelRunnerOutput.logprobs`` / ``prompt_logprobs_dict`` into each ``EngineCoreOutput``
+        (``new_logprobs``, ``new_prompt_logprobs_tensors``). minivllm's scheduler does not (yet); the engine wraps
+        that method instead and keeps, for each engine core output it returned, the entries of the request's kept
+        tokens, keyed by the output object's ``id`` until ``step`` hands them on. Requests without logprobs cost
+        one ``None`` check per step.
+        """
+        scheduler = self.engine_core.scheduler
+        update = scheduler.update_from_output
+        self._step_logprobs: Dict[int, Tuple[List[LogprobsEntry], Optional[List[Optional[LogprobsEntry]]]]] = {}
+        step_logprobs = self._step_logprobs
+
+        def update_from_output(scheduler_output, model_runner_output):
+            outputs = update(scheduler_output, model_runner_output)
+            sample, prompt = model_runner_output.logprobs, model_runner_output.prompt_logprobs_dict
+            if sample is None and not prompt:
+                return outputs
+            index = model_runner_output.req_id_to_index
+            for eco in outputs:
+                i = index.get(eco.request_id)
+                entry = sample[i] if sample is not None and i is not None else None
+                plp = prompt.get(eco.request_id) if prompt else None
+                if entry is not None or plp is not None:
+                    step_logprobs[id(eco)] = ([entry] if entry is not None and eco.new_token_ids else [], plp)
+            return outputs
+
+        setattr(scheduler, "update_from_output", update_from_output)
 
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> List[RequestOutput]:
         """Abort requests wherever they are (waiting, mid-prefill, decoding, preempted); unknown ids are ignored.
@@ -143,7 +191,7 @@ class LLMEngine:
             raise ValueError("request_ids must be a request id or an iterable of ids, got None")
         if isinstance(request_ids, (str, int)):
             request_ids = [request_ids]
-        request_ids = [str(r) for r in request_ids]
+        request_ids = self.output_processor.expand_request_ids(str(r) for r in request_ids)
         outputs = self.output_processor.abort_requests(request_ids)
         self.engine_core.abort_requests(request_ids)
         return outputs
@@ -181,7 +229,9 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         if core_outputs.scheduler_stats is not None:
             self.scheduler_stats = core_outputs.scheduler_stats
-        processed = self.output_processor.process_outputs(core_outputs.outputs)
+        step_logprobs = dict(self._step_logprobs)
+        self._step_logprobs.clear()
+        processed = self.output_processor.process_outputs(core_outputs.outputs, step_logprobs)
         self.engine_core.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         for observer in self.engine_core.step_observers:
             observer.on_step_end(self.engine_core, core_outputs, processed.request_outputs)

@@ -4,19 +4,25 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional
 
 import torch
 
 from minivllm.attention.backend import AttentionMetadata, CommonAttentionMetadata
+from minivllm.outputs import LogprobsEntry
 from minivllm.sampling_params import SamplingParams
 from minivllm.worker.block_table import BlockTable
 
 
 @dataclass
 class CachedRequestState:
-    """What the runner remembers about a request between steps (vLLM ``CachedRequestState``)."""
+    """What the runner remembers about a request between steps (vLLM ``CachedRequestState``).
+
+    ``in_progress_prompt_logprobs``: with ``prompt_logprobs``, the entries of the prompt chunks run so far (vLLM
+    ``in_progress_prompt_logprobs_cpu``); handed out in ``ModelRunnerOutput.prompt_logprobs_dict`` by the step
+    whose chunk completes the prompt, after which ``prompt_logprobs_done`` is set.
+    """
 
     req_id: str
     token_ids: List[int]
@@ -26,6 +32,8 @@ class CachedRequestState:
     num_computed_tokens: int
     generator: Optional[torch.Generator]
     eos_token_id: Optional[int] = None
+    in_progress_prompt_logprobs: List[Optional[LogprobsEntry]] = field(default_factory=list)
+    prompt_logprobs_done: bool = False
 
     @property
     def num_output_tokens(self) -> int:

@@ -30,11 +30,11 @@ from minivllm.attention.selector import get_attn_backend
 from minivllm.core.sched.output import SchedulerOutput, block_updates
 from minivllm.kv_cache_interface import FullAttentionSpec
 from minivllm.model.llama import LlamaForCausalLM
-from minivllm.outputs import ModelRunnerOutput
+from minivllm.outputs import LogprobsEntry, ModelRunnerOutput
 from minivllm.request import is_partial_prefill
 from minivllm.worker.cuda_graphs import DecodeGraphRunner
 from minivllm.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
-from minivllm.worker.sampler import Sampler, SamplingMetadata
+from minivllm.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
 
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.base import KVConnectorBase
@@ -246,14 +246,23 @@ class ModelRunnerBase:
     @staticmethod
     def _sampling_metadata(states: List[CachedRequestState], **per_row) -> SamplingMetadata:
         """The rows' ``SamplingMetadata``; ``per_row``: ``generators`` (default: each request's own),
-        ``seeds``/``positions`` (Model Runner V2)."""
+        ``seeds``/``positions`` (Model Runner V2).
+
+        Prompt and output token ids (``token_ids[:num_prompt_tokens]`` and the rest, for both runners: a V2
+        request resumed with its outputs in its prefill keeps ``num_prompt_tokens`` the prompt's) are passed only
+        when a row has a penalty; ``all_greedy`` (the fast path) also needs no row with penalties, a bias or
+        logprobs.
+        """
+        if any(s.sampling_params.needs_penalties for s in states):
+            per_row["prompt_token_ids"] = [s.token_ids[:s.num_prompt_tokens] for s in states]
+            per_row["output_token_ids"] = [s.token_ids[s.num_prompt_tokens:] for s in states]
         return SamplingMetadata(
             params=[s.sampling_params for s in states],
             generators=per_row.pop("generators", [s.generator for s in states]),
             num_output_tokens=[s.num_output_tokens for s in states],
             eos_token_ids=[s.eos_token_id for s in states],
             all_greedy=all(s.sampling_params.greedy and s.num_output_tokens >= s.sampling_params.min_tokens
-                           for s in states),
+                           and not s.sampling_params.needs_processing for s in states),
             **per_row,
         )
 
@@ -331,15 +340,57 @@ class ModelRunnerBase:
             self.connector.wait_for_save()
             finished_sending, finished_recving = self.connector.get_finished(so.finished_req_ids)
             self.connector.clear_connector_metadata()
+        prompt_logprobs_dict = self._prompt_logprobs(inputs, hidden)
         logits_indices = inputs.logits_indices
         logits = self.model.compute_logits(hidden[logits_indices])
 
-        sampled, out_ids, _ = self._sample(inputs, logits)
+        sampled, out_ids, discarded = self._sample(inputs, logits)
+        row_logprobs = self.sampler.last_logprobs
+        logprobs = None
+        if any(e is not None for e in row_logprobs):
+            logprobs = [None if d else e for e, d in zip(row_logprobs, discarded)]
 
         self._last_inputs = None
         self._last_step = (inputs, logits if self.keep_logits else None, sampled,
                            hidden if self.keep_hidden_states else None)
         return ModelRunnerOutput(
-            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending
+            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending,
+            logprobs, prompt_logprobs_dict,
         )
+
+    def _prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> Dict[str, List[Optional[LogprobsEntry]]]:
+        """Prompt logprobs of this step's prompt chunks (vLLM ``GPUModelRunner._get_prompt_logprobs_dict``).
+
+        For a request with ``prompt_logprobs`` whose chunk covers positions ``[c, c + q)``, the logits at those
+        positions give the logprobs of prompt tokens ``c + 1 .. min(c + q, P) - 1`` (``P`` prompt tokens); they
+        are appended to ``in_progress_prompt_logprobs`` (which starts with ``None`` for token 0), and the list is
+        returned, keyed by request id, by the step whose chunk reaches the end of the prompt. Computed from the
+        raw logits (``log_softmax``), as vLLM's sampled logprobs are.
+
+        Where minivllm differs from vLLM: vLLM does not read the prefix cache for such a request
+        (``SamplingParams.skip_reading_prefix_cache``); minivllm's ``KVCacheManager`` does, and the positions a
+        cache hit skipped get ``None``.
+        """
+        out: Dict[str, List[Optional[LogprobsEntry]]] = {}
+        qsl = inputs.common_attn_metadata.query_start_loc_cpu
+        seq_lens = inputs.common_attn_metadata.seq_lens_cpu_upper_bound
+        for i, (rid, st) in enumerate(zip(inputs.req_ids, inputs.states)):
+            k = st.sampling_params.prompt_logprobs
+            if k is None or st.prompt_logprobs_done:
+                continue
+            q = qsl[i + 1] - qsl[i]
+            c, P = seq_lens[i] - q, st.num_prompt_tokens
+            acc = st.in_progress_prompt_logprobs
+            if not acc:
+                acc.append(None)  # the first prompt token has no logprob
+            acc.extend([None] * (c + 1 - len(acc)))  # positions a prefix-cache hit skipped
+            n = min(q, P - 1 - c)
+            if n > 0:
+                lp = self.model.compute_logits(hidden[qsl[i]:qsl[i] + n]).float().log_softmax(-1)
+                targets = torch.tensor(st.token_ids[c + 1:c + 1 + n], dtype=torch.long, device=lp.device)
+                acc.extend(gather_logprobs(lp, k, targets))
+            if c + q >= P:
+                st.prompt_logprobs_done = True
+                out[rid] = acc
+        return out
 

@@ -7,6 +7,13 @@ exponential race ``argmax(p / q), q ~ Exp(1)``, which equals a categorical draw 
 ``seed`` draws ``q`` from its own ``torch.Generator``, so its tokens do not depend on which other requests share
 the batch.
 
+Before the masking, as in vLLM 0.32 (``Sampler.forward`` in ``vllm/v1/sample/sampler.py``): rows that ask for
+``logprobs`` get them from the *raw* logits (``logprobs_mode="raw_logprobs"``: ``log_softmax`` before any bias,
+penalty or temperature); then the non-argmax-invariant logits processors (``min_tokens``, ``logit_bias``:
+``vllm/v1/sample/logits_processor/builtin.py``), then the penalties (``apply_penalties``,
+``vllm/model_executor/layers/utils.py``: repetition over prompt and output tokens, frequency and presence over
+output tokens only). Rows with none of these, and all-greedy batches, take the same path as before.
+
 Model Runner V2 draws statelessly instead (``minivllm/worker/v2/sampler.py``: Gumbel-max with noise hashed from
 the request's seed and the sampled position); it overrides ``Sampler.random_draw`` only.
 """
@@ -18,6 +25,7 @@ from typing import List, Optional
 
 import torch
 
+from minivllm.outputs import LogprobsEntry
 from minivllm.sampling_params import SamplingParams
 
 
@@ -42,6 +50,44 @@ class SamplingMetadata:
     all_greedy: bool
     seeds: Optional[List[int]] = None
     positions: Optional[List[int]] = None
+    prompt_token_ids: Optional[List[List[int]]] = None
+    output_token_ids: Optional[List[List[int]]] = None
+
+
+def gather_logprobs(logprobs: torch.Tensor, num_logprobs: int, token_ids: torch.Tensor) -> List[LogprobsEntry]:
+    """vLLM ``Sampler.gather_logprobs``: ``logprobs float32 [N, vocab]``, ``token_ids int64 [N]``; ``num_logprobs``
+    top entries per row (``-1``: the whole vocabulary, sorted, where vLLM returns it unsorted)."""
+    k = logprobs.shape[-1] if num_logprobs == -1 else min(num_logprobs, logprobs.shape[-1])
+    top_lp, top_ids = torch.topk(logprobs, k, dim=-1)
+    tok_lp = logprobs.gather(-1, token_ids[:, None])
+    ranks = (logprobs >= tok_lp).sum(-1)
+    ids = torch.cat((token_ids[:, None], top_ids), 1).tolist()
+    lps = torch.cat((tok_lp, top_lp), 1).tolist()
+    return [LogprobsEntry(i, lp, int(r)) for i, lp, r in zip(ids, lps, ranks.tolist())]
+
+
+def apply_penalties(row: torch.Tensor, prompt_ids: List[int], output_ids: List[int], presence: float,
+                    frequency: float, repetition: float) -> torch.Tensor:
+    """vLLM ``apply_penalties`` on one float32 row ``[vocab]`` (returns a new tensor).
+
+    Repetition (``apply_repetition_penalties_torch``): every token in the prompt or the output has its logit
+    divided by ``repetition`` when positive, multiplied when not. Then, over the output tokens only,
+    ``logit -= frequency * count + presence * (count > 0)`` (OpenAI's definition).
+    """
+    vocab = row.shape[-1]
+    row = row.clone()
+    out_counts = torch.bincount(torch.tensor(output_ids, dtype=torch.long), minlength=vocab)[:vocab]
+    if repetition != 1.0:
+        seen = out_counts > 0
+        if prompt_ids:
+            seen = seen | (torch.bincount(torch.tensor(prompt_ids, dtype=torch.long), minlength=vocab)[:vocab] > 0)
+        pen = torch.where(seen, torch.tensor(repetition, dtype=row.dtype), torch.tensor(1.0, dtype=row.dtype))
+        row *= torch.where(row > 0, 1.0 / pen, pen)
+    if frequency != 0.0:
+        row -= frequency * out_counts.to(row.dtype)
+    if presence != 0.0:
+        row -= presence * (out_counts > 0).to(row.dtype)
+    return row
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, top_k: int, top_p: float, min_p: float) -> torch.Tensor:
@@ -84,14 +130,21 @@ class Sampler:
 
     def __init__(self, shared_generator: torch.Generator) -> None:
         self.shared_generator = shared_generator
+        self.last_logprobs: List[Optional[LogprobsEntry]] = []
 
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """``logits: float32 [num_reqs, vocab]`` -> ``int64 [num_reqs]`` token ids."""
+        """``logits: float32 [num_reqs, vocab]`` -> ``int64 [num_reqs]`` token ids.
+
+        ``self.last_logprobs[i]`` is then row ``i``'s ``LogprobsEntry`` when its request asked for ``logprobs``,
+        else ``None`` (vLLM returns them in ``SamplerOutput.logprobs_tensors``).
+        """
+        self.last_logprobs = [None] * logits.shape[0]
         if md.all_greedy:
             return logits.argmax(-1)
         out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
         for i, sp in enumerate(md.params):
             row = logits[i]
+            raw_logprobs = row.float().log_softmax(-1) if sp.logprobs is not None else None
             if md.num_output_tokens[i] < sp.min_tokens:
                 banned = list(sp.stop_token_ids)
                 if md.eos_token_ids[i] is not None:  # also with ignore_eos, as vLLM's all_stop_token_ids
@@ -99,11 +152,22 @@ class Sampler:
                 if banned:
                     row = row.clone()
                     row[banned] = float("-inf")
+            if sp.logit_bias:
+                row = row.clone()
+                ids = torch.tensor(list(sp.logit_bias), dtype=torch.long, device=row.device)
+                row[ids] += torch.tensor(list(sp.logit_bias.values()), dtype=row.dtype, device=row.device)
+            if sp.needs_penalties:
+                assert md.prompt_token_ids is not None and md.output_token_ids is not None, (
+                    "penalties need the rows' prompt and output token ids")
+                row = apply_penalties(row, md.prompt_token_ids[i], md.output_token_ids[i], sp.presence_penalty,
+                                      sp.frequency_penalty, sp.repetition_penalty)
             if sp.greedy:
                 out[i] = row.argmax()
-                continue
-            out[i] = self.random_draw(apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p),
-                                      i, md)
+            else:
+                out[i] = self.random_draw(
+                    apply_top_k_top_p_min_p(row / sp.temperature, sp.top_k, sp.top_p, sp.min_p), i, md)
+            if raw_logprobs is not None and sp.logprobs is not None:
+                self.last_logprobs[i] = gather_logprobs(raw_logprobs[None], sp.logprobs, out[i:i + 1])[0]
         return out
 
     def random_draw(self, row: torch.Tensor, i: int, md: SamplingMetadata) -> torch.Tensor:

@@ -59,6 +59,7 @@ class ModelRunnerV2(ModelRunnerBase):
             if seed is None:
                 g = self.shared_generator
                 seed = int(torch.randint(0, 2**63 - 1, (1,), generator=g, device=g.device))
+            seed = (seed + 2**63) % 2**64 - 2**63  # an int64 (an n > 1 child's seed + index may pass 2**63 - 1)
             self.requests[new.req_id] = RequestStateV2(
                 new.req_id, token_ids, new.prompt_len, sp, [], new.num_computed_tokens, None, sp.eos_token_id,
                 seed=seed, prefill_len=len(token_ids),
