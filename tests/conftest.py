@@ -35,12 +35,13 @@ LANES = {
     "worker": (
         "test_model_runners.py", "test_block_table.py", "test_sampler_edges.py", "test_v2_gumbel.py",
         "test_paged_attention.py", "test_triton_kernels.py", "test_triton_attn_backend.py", "test_custom_ops.py",
-        "test_fp32_kernels.py",
+        "test_fp32_kernels.py", "test_sampling_features.py",
     ),
     # minivllm/model: the Llama model, its loaders, CustomOp dispatch; greedy tokens equal transformers'
     "model": ("test_real_model.py", "test_model_loader.py", "test_custom_op_dispatch.py"),
     # minivllm/entrypoints: the OpenAI-compatible server (and AsyncLLM behind it)
-    "entrypoints": ("test_serving.py", "test_server_robustness.py", "test_server_adversarial.py"),
+    "entrypoints": ("test_serving.py", "test_server_robustness.py", "test_server_adversarial.py",
+                    "test_serving_sampling.py"),
     # minivllm/course and the course's files: exercises, viz, figures, diagrams, slides, notebooks, READMEs
     "course": (
         "test_exercises.py", "test_viz.py", "test_figures.py", "test_diagrams.py", "test_slides.py",

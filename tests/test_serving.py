@@ -278,7 +278,9 @@ def _bad_cases():
              ("/v1/chat/completions", {"model": "tiny"}, 400, "messages", "required")]
     for name, value, limit in [("temperature", -1.0, ">= 0"), ("top_p", 1.5, "(0, 1]"), ("top_p", 0.0, "(0, 1]"),
                                ("top_k", -5, ">= 1"), ("min_p", 2.0, "[0, 1]"), ("max_tokens", 0, ">= 1"),
-                               ("seed", -1, "[0, 2**63 - 1]"), ("n", 2, "1 (minivllm")]:
+                               ("seed", 2**63, "[-2**63, 2**63 - 1]"), ("n", 0, ">= 1"),
+                               ("presence_penalty", 3.0, "[-2, 2]"), ("repetition_penalty", 0, "> 0"),
+                               ("logprobs", 21, "max allowed: 20"), ("logit_bias", {"600": 1}, "out-of-vocab")]:
         cases.append(("/v1/completions", {**good, name: value}, 400, name, limit))
     return cases
 

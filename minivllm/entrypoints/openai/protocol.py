@@ -8,12 +8,17 @@ The fields that can be long (``prompt``, ``messages``, ``stop``, ``stop_token_id
 loop that stops at the first bad item: pydantic would report every bad item of a union of lists (1.9 million
 errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string).
 
-Fields vLLM honours but minivllm's engine does not (``frequency_penalty``, ``presence_penalty``,
-``repetition_penalty``, ``logit_bias``, ``response_format``, ``tools``, ``tool_choice``) are declared so that a
-value other than the neutral one is refused with a 400 naming the field, not silently ignored.
+The penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``), ``logit_bias``, ``n``,
+``seed`` (any int64; ``-1`` = none), and logprobs are served as vLLM serves them: completions take ``logprobs``
+(an int) and vLLM's extra ``prompt_logprobs``, and answer with the legacy ``logprobs`` object ``{tokens,
+token_logprobs, top_logprobs, text_offset}``; chat takes ``logprobs: true`` and ``top_logprobs`` and answers with
+``{"content": [{token, logprob, bytes, top_logprobs}]}`` (vLLM ``_create_completion_logprobs`` /
+``_create_chat_logprobs``). Fields vLLM honours but minivllm's engine does not (``response_format``, ``tools``,
+``tool_choice``) are declared so that a value other than the neutral one is refused with a 400 naming the field,
+not silently ignored.
 
-Where minivllm differs from vLLM: ``n`` must be 1, and a completion takes one prompt (a string, a list of token
-ids, or a list holding one of those), not a batch.
+Where minivllm differs from vLLM: a completion takes one prompt (a string, a list of token ids, or a list holding
+one of those), not a batch.
 """
 
 from __future__ import annotations
@@ -100,10 +105,8 @@ def _check_strings(value: Any, name: str) -> Any:
 
 
 # The neutral value of each field minivllm's engine does not implement (vLLM's defaults).
-UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {"frequency_penalty": (None, 0, 0.0), "presence_penalty": (None, 0, 0.0),
-                      "repetition_penalty": (None, 1, 1.0), "logit_bias": (None, {}),
-                      "response_format": (None, {"type": "text"}), "tools": (None, []),
-                      "tool_choice": (None, "none")}
+UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {"response_format": (None, {"type": "text"}), "tools": (None, []),
+                                                  "tool_choice": (None, "none")}
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -123,13 +126,12 @@ class _SamplingRequest(OpenAIBaseModel):
     min_tokens: int = 0
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
-    logprobs: Optional[Union[bool, int]] = None  # refused: minivllm's server returns no logprobs
     return_token_ids: bool = False  # vLLM's extra: token ids in each choice (and the prompt's in the response)
-    # Refused unless neutral (see UNSUPPORTED_FIELDS): the engine has no penalties, biases, grammars or tools.
     frequency_penalty: Optional[float] = None
     presence_penalty: Optional[float] = None
-    repetition_penalty: Optional[float] = None
+    repetition_penalty: Optional[float] = None  # vLLM's extra
     logit_bias: Optional[Dict[str, float]] = None
+    # Refused unless neutral (see UNSUPPORTED_FIELDS): the engine has no grammars or tools.
     response_format: Optional[Dict[str, Any]] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
@@ -154,6 +156,10 @@ class _SamplingRequest(OpenAIBaseModel):
     def _max_tokens(self) -> Optional[int]:
         raise NotImplementedError
 
+    def _logprobs(self) -> Tuple[Optional[int], Optional[int]]:
+        """``(logprobs, prompt_logprobs)`` for ``SamplingParams`` (each endpoint its own fields)."""
+        raise NotImplementedError
+
     def to_sampling_params(self) -> SamplingParams:
         """The ``SamplingParams`` of this request; DELTA outputs when streaming, else FINAL_ONLY.
 
@@ -164,14 +170,23 @@ class _SamplingRequest(OpenAIBaseModel):
         Raises:
             ValueError: a value out of range, naming the parameter and the limit (from ``SamplingParams``).
         """
+        logprobs, prompt_logprobs = self._logprobs()
         kwargs: Dict[str, Any] = dict(
-            n=self.n, seed=self.seed, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
+            n=self.n, seed=self.seed, logprobs=logprobs, prompt_logprobs=prompt_logprobs, max_tokens=self._max_tokens(), min_tokens=self.min_tokens,
             stop=self.stop or (), stop_token_ids=self.stop_token_ids or (), ignore_eos=self.ignore_eos,
             output_kind=RequestOutputKind.DELTA if self.stream else RequestOutputKind.FINAL_ONLY,
         )
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in ("temperature", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty",
+                     "repetition_penalty"):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
+        if self.logit_bias:
+            try:
+                kwargs["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
+            except ValueError:
+                bad = next(t for t in self.logit_bias if not t.strip().lstrip("+-").isdigit())
+                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got "
+                                 f"{bad[:100]!r}") from None
         return SamplingParams(**kwargs)
 
 
@@ -181,6 +196,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: Union[str, List[int], List[str], List[List[int]]]
     max_tokens: Optional[int] = 16
     echo: bool = False
+    logprobs: Optional[int] = None
+    prompt_logprobs: Optional[int] = None  # vLLM's extra
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -200,6 +217,9 @@ class CompletionRequest(_SamplingRequest):
 
     def _max_tokens(self) -> Optional[int]:
         return self.max_tokens
+
+    def _logprobs(self) -> Tuple[Optional[int], Optional[int]]:
+        return self.logprobs, self.prompt_logprobs
 
 
 class ChatMessage(OpenAIBaseModel):
@@ -234,6 +254,8 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+    logprobs: Optional[bool] = False
+    top_logprobs: Optional[int] = 0
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -248,12 +270,21 @@ class ChatCompletionRequest(_SamplingRequest):
     def _max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
+    def _logprobs(self) -> Tuple[Optional[int], Optional[int]]:
+        """vLLM's chat rules (``ChatCompletionRequest.check_logprobs`` / ``to_sampling_params``)."""
+        top = self.top_logprobs
+        if top is not None and top < 0 and top != -1:
+            raise ValueError(f"top_logprobs must be a non-negative int or -1, got {top}")
+        if top and not self.logprobs:
+            raise ValueError("top_logprobs: when using `top_logprobs`, `logprobs` must be set to true")
+        return (top or 0) if self.logprobs else None, None
+
 
 class _ResponseChoice(OpenAIBaseModel):
     """The fields every choice shares, completion or chat, whole or streamed (vLLM's protocol repeats them)."""
 
     index: int = 0
-    logprobs: None = None
+    logprobs: Optional[Any] = None
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
     token_ids: Optional[List[int]] = None
@@ -268,8 +299,32 @@ class _Response(OpenAIBaseModel):
     usage: Optional[UsageInfo] = None
 
 
+class CompletionLogProbs(OpenAIBaseModel):
+    """The legacy completions ``logprobs`` object (vLLM ``CompletionLogProbs``)."""
+
+    text_offset: List[int] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    tokens: List[str] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+
+
+class ChatCompletionLogProb(OpenAIBaseModel):
+    token: str
+    logprob: float = -9999.0
+    bytes: Optional[List[int]] = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    top_logprobs: List[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(OpenAIBaseModel):
+    content: Optional[List[ChatCompletionLogProbsContent]] = None
+
+
 class CompletionResponseChoice(_ResponseChoice):
     text: str
+    prompt_logprobs: Optional[List[Optional[Dict[int, Dict[str, Any]]]]] = None
 
 
 class CompletionResponse(_Response):

@@ -14,7 +14,8 @@ from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, ChatCom
                                                   ChatCompletionResponseChoice, ChatCompletionResponseStreamChoice,
                                                   ChatCompletionStreamResponse, ChatResponseMessage, DeltaMessage,
                                                   UsageInfo, random_uuid)
-from minivllm.entrypoints.openai.serving_engine import OpenAIServing, RequestError, error_event, truncate
+from minivllm.entrypoints.openai.serving_engine import (OpenAIServing, RequestError, chat_logprobs, error_event,
+                                                       truncate, usage_of)
 from minivllm.outputs import RequestOutput
 
 
@@ -69,13 +70,16 @@ class OpenAIServingChat(OpenAIServing):
         outputs = await self.start({"prompt_token_ids": ids}, params, request_id)
         if request.stream:
             return self._stream(request, request_id, outputs)
-        result = await self.collect(outputs)
-        choice = ChatCompletionResponseChoice(message=ChatResponseMessage(content=result.text),
-                                              finish_reason=result.finish_reason, stop_reason=result.stop_reason,
-                                              token_ids=result.token_ids if request.return_token_ids else None)
-        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=[choice],
-                                      usage=result.usage,
-                                      prompt_token_ids=result.prompt_token_ids if request.return_token_ids else None)
+        results = await self.collect(outputs)
+        top = request.top_logprobs or 0
+        choices = [ChatCompletionResponseChoice(
+            index=r.index, message=ChatResponseMessage(content=r.text), finish_reason=r.finish_reason,
+            stop_reason=r.stop_reason, token_ids=r.token_ids if request.return_token_ids else None,
+            logprobs=None if r.logprobs is None else chat_logprobs(self.tokenizer, r.token_ids, r.logprobs, top))
+            for r in results]
+        return ChatCompletionResponse(id=request_id, model=self.served_model_name, choices=choices,
+                                      usage=usage_of(results),
+                                      prompt_token_ids=results[0].prompt_token_ids if request.return_token_ids else None)
 
     async def _stream(self, request: ChatCompletionRequest, request_id: str,
                       outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[str, None]:
@@ -85,18 +89,23 @@ class OpenAIServingChat(OpenAIServing):
             chunk = ChatCompletionStreamResponse(id=request_id, model=model, choices=choices, usage=usage)
             return f"data: {chunk.model_dump_json(exclude_none=True)}\n\n"
 
-        # First chunk: the role alone, as OpenAI and vLLM send it.
-        yield event([ChatCompletionResponseStreamChoice(delta=DeltaMessage(role="assistant", content=""))])
+        # First chunk: the role alone, one per choice, as OpenAI and vLLM send it.
+        for i in range(request.n):
+            yield event([ChatCompletionResponseStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""))])
+        top = request.top_logprobs or 0
         try:
             async for out in outputs:
-                c = out.outputs[0]
-                n_in, n_out = len(out.prompt_token_ids), n_out + len(c.token_ids)
-                if not c.text and not c.token_ids and not out.finished:
-                    continue
-                stop = c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
-                yield event([ChatCompletionResponseStreamChoice(
-                    delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason, stop_reason=stop,
-                    token_ids=list(c.token_ids) if request.return_token_ids else None)])
+                n_in = len(out.prompt_token_ids)
+                for c in out.outputs:
+                    n_out += len(c.token_ids)
+                    if not c.text and not c.token_ids and c.finish_reason is None:
+                        continue
+                    stop = c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
+                    yield event([ChatCompletionResponseStreamChoice(
+                        index=c.index, delta=DeltaMessage(content=c.text), finish_reason=c.finish_reason,
+                        stop_reason=stop, token_ids=list(c.token_ids) if request.return_token_ids else None,
+                        logprobs=None if c.logprobs is None else
+                        chat_logprobs(self.tokenizer, list(c.token_ids), c.logprobs, top))])
         except RequestError as e:  # the engine died: vLLM sends the error as an event, then [DONE]
             yield error_event(e)
             yield "data: [DONE]\n\n"

@@ -24,13 +24,15 @@ import time
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import Any, AsyncGenerator, Callable, List, Optional, Union
+from typing import Any, AsyncGenerator, Callable, Dict, List, Optional, Union
 
 from minivllm.engine.async_llm import AsyncLLM, EngineDeadError
 from minivllm.engine.llm_engine import PromptType
 from minivllm.entrypoints.openai.metrics import RequestTimer, ServerMetrics
-from minivllm.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo, _SamplingRequest
-from minivllm.outputs import RequestOutput
+from minivllm.entrypoints.openai.protocol import (ChatCompletionLogProb, ChatCompletionLogProbs,
+                                                  ChatCompletionLogProbsContent, CompletionLogProbs, ErrorInfo,
+                                                  ErrorResponse, UsageInfo, _SamplingRequest)
+from minivllm.outputs import Logprob, PromptLogprobs, RequestOutput, SampleLogprobs
 from minivllm.sampling_params import SamplingParams
 
 # vLLM bounds what an error message echoes (``_MAX_ERROR_CHARS`` in
@@ -38,7 +40,9 @@ from minivllm.sampling_params import SamplingParams
 MAX_ERROR_CHARS = 1000
 
 _PARAMS = {"n", "temperature", "top_p", "top_k", "min_p", "seed", "max_tokens", "min_tokens", "stop",
-           "stop_token_ids", "ignore_eos", "prompt", "messages", "model", "stream_options", "logprobs", "echo"}
+           "stop_token_ids", "ignore_eos", "prompt", "messages", "model", "stream_options", "logprobs", "echo",
+           "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "prompt_logprobs",
+           "top_logprobs"}
 
 
 class RequestError(Exception):
@@ -95,13 +99,16 @@ def param_of(message: str) -> Optional[str]:
 
 @dataclass
 class FinalResult:
-    """A finished request's whole output, gathered from its deltas."""
+    """One choice of a finished request, gathered from its outputs (``index``: the completion's, for ``n > 1``)."""
 
     text: str = ""
     token_ids: List[int] = field(default_factory=list)
     prompt_token_ids: List[int] = field(default_factory=list)
     finish_reason: Optional[str] = None
     stop_reason: Optional[Union[int, str]] = None
+    index: int = 0
+    logprobs: Optional[SampleLogprobs] = None
+    prompt_logprobs: Optional[PromptLogprobs] = None
 
     @property
     def usage(self) -> UsageInfo:
@@ -176,12 +183,10 @@ class OpenAIServing:
 
     def sampling_params(self, request: _SamplingRequest) -> SamplingParams:
         """``request.to_sampling_params()`` with its ``ValueError`` turned into a 400 naming the parameter."""
-        if request.logprobs:
-            raise RequestError("logprobs are not supported by minivllm's server", "logprobs")
         unsupported = request.unsupported_field()
         if unsupported is not None:
             raise RequestError(f"{unsupported} is not supported by minivllm's server (its engine has no "
-                               f"penalties, logit biases, structured outputs or tools); got {unsupported}="
+                               f"structured outputs or tools); got {unsupported}="
                                f"{truncate(repr(getattr(request, unsupported)), 200)}", unsupported)
         try:
             return request.to_sampling_params()
@@ -216,7 +221,7 @@ class OpenAIServing:
                 if out.finished and out.outputs[0].finish_reason == "abort" and engine_dead(self.engine_client):
                     raise EngineDeadRequestError()
                 num_prompt_tokens, finished = len(out.prompt_token_ids), out.finished
-                timer.on_tokens(time.perf_counter(), len(out.outputs[0].token_ids))
+                timer.on_tokens(time.perf_counter(), sum(len(c.token_ids) for c in out.outputs))
                 if finished:
                     timer.on_finished(time.perf_counter(), num_prompt_tokens, out.outputs[0].finish_reason)
                 yield out
@@ -226,23 +231,94 @@ class OpenAIServing:
             await outputs.aclose()  # aborts the request if it has not finished
 
     @staticmethod
-    async def collect(outputs: AsyncGenerator[RequestOutput, None]) -> FinalResult:
-        """Gather a request's deltas into its ``FinalResult`` (the non-streaming responses)."""
-        result = FinalResult()
-        texts: List[str] = []
+    async def collect(outputs: AsyncGenerator[RequestOutput, None]) -> List[FinalResult]:
+        """Gather a request's outputs into one ``FinalResult`` per choice, by index (the non-streaming responses;
+        their outputs are ``FINAL_ONLY``, but deltas are gathered too)."""
+        results: Dict[int, FinalResult] = {}
+        texts: Dict[int, List[str]] = {}
         try:
             async for out in outputs:
-                result.prompt_token_ids = out.prompt_token_ids
-                texts.append(out.outputs[0].text)
-                result.token_ids.extend(out.outputs[0].token_ids)
-                if out.finished:
-                    result.finish_reason = out.outputs[0].finish_reason
-                    stop = out.outputs[0].stop_reason
-                    result.stop_reason = stop if isinstance(stop, (int, str)) else None
+                for c in out.outputs:
+                    result = results.setdefault(c.index, FinalResult(index=c.index))
+                    result.prompt_token_ids = out.prompt_token_ids
+                    if out.prompt_logprobs is not None:
+                        result.prompt_logprobs = out.prompt_logprobs
+                    texts.setdefault(c.index, []).append(c.text)
+                    result.token_ids.extend(c.token_ids)
+                    if c.logprobs is not None:
+                        result.logprobs = (result.logprobs or []) + list(c.logprobs)
+                    if c.finish_reason is not None:
+                        result.finish_reason = c.finish_reason
+                        result.stop_reason = c.stop_reason if isinstance(c.stop_reason, (int, str)) else None
         finally:
             await outputs.aclose()
-        result.text = "".join(texts)
-        return result
+        for i, result in results.items():
+            result.text = "".join(texts[i])
+        return [results[i] for i in sorted(results)]
+
+
+def usage_of(results: List[FinalResult]) -> UsageInfo:
+    """The usage of all choices: the prompt once, every choice's tokens (vLLM's ``num_generated_tokens``)."""
+    n_in = len(results[0].prompt_token_ids) if results else 0
+    n_out = sum(len(r.token_ids) for r in results)
+    return UsageInfo(prompt_tokens=n_in, completion_tokens=n_out, total_tokens=n_in + n_out)
+
+
+def _token_text(tokenizer: Any, token_id: int, lp: Optional[Logprob]) -> str:
+    """vLLM ``_get_decoded_token``: the token's text, or ``token_id:<id>`` where there is none (no tokenizer)."""
+    if lp is not None and lp.decoded_token is not None:
+        return lp.decoded_token
+    if tokenizer is None:
+        return f"token_id:{token_id}"
+    return tokenizer.decode([token_id])
+
+
+def completion_logprobs(tokenizer: Any, token_ids: List[int], logprobs: SampleLogprobs, num_top: int,
+                        initial_text_offset: int = 0) -> CompletionLogProbs:
+    """The legacy completions ``logprobs`` object (vLLM ``OpenAIServingCompletion._create_completion_logprobs``):
+    each token's text and logprob (floored at -9999), its ``num_top + 1`` first entries (the sampled token, then
+    the top ones: OpenAI's "up to logprobs + 1"), and text offsets from ``initial_text_offset``."""
+    out = CompletionLogProbs()
+    last_len = 0
+    for tid, step in zip(token_ids, logprobs):
+        lp = step.get(tid)
+        token = _token_text(tokenizer, tid, lp)
+        out.tokens.append(token)
+        out.token_logprobs.append(None if lp is None else max(lp.logprob, -9999.0))
+        out.top_logprobs.append({_token_text(tokenizer, t, p): max(p.logprob, -9999.0)
+                                 for i, (t, p) in enumerate(step.items()) if num_top >= i})
+        out.text_offset.append(initial_text_offset if not out.text_offset else out.text_offset[-1] + last_len)
+        last_len = len(token)
+    return out
+
+
+def chat_logprobs(tokenizer: Any, token_ids: List[int], logprobs: SampleLogprobs,
+                  top_logprobs: int) -> ChatCompletionLogProbs:
+    """Chat's ``{"content": [...]}`` (vLLM ``OpenAIServingChat._create_chat_logprobs``): each token with its
+    logprob and UTF-8 bytes, and the first ``top_logprobs`` entries of its dict (``_get_top_logprobs``, which
+    takes them in the dict's order: the sampled token first)."""
+    content = []
+    for tid, step in zip(token_ids, logprobs):
+        lp = step.get(tid)
+        token = _token_text(tokenizer, tid, lp)
+        tops = [ChatCompletionLogProb(token=(t_text := _token_text(tokenizer, t, p)),
+                                      logprob=max(p.logprob, -9999.0),
+                                      bytes=list(t_text.encode("utf-8", errors="replace")))
+                for i, (t, p) in enumerate(step.items()) if top_logprobs and (top_logprobs == -1 or i < top_logprobs)]
+        content.append(ChatCompletionLogProbsContent(
+            token=token, logprob=-9999.0 if lp is None else max(lp.logprob, -9999.0),
+            bytes=list(token.encode("utf-8", errors="replace")), top_logprobs=tops))
+    return ChatCompletionLogProbs(content=content)
+
+
+def prompt_logprobs_json(prompt_logprobs: Optional[PromptLogprobs]) -> Optional[List[Optional[Dict[int, Dict[str, Any]]]]]:
+    """vLLM's ``prompt_logprobs`` of a completion choice: ``{token id: {logprob, rank, decoded_token}}`` per
+    prompt position, ``None`` first."""
+    if prompt_logprobs is None:
+        return None
+    return [None if d is None else {t: {"logprob": max(p.logprob, -9999.0), "rank": p.rank,
+                                        "decoded_token": p.decoded_token} for t, p in d.items()}
+            for d in prompt_logprobs]
 
 
 def max_chars_per_token(tokenizer: Any) -> int:
