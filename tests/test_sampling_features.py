@@ -180,6 +180,18 @@ def test_prompt_logprobs_equal_with_and_without_chunked_prefill(runner):
     assert outs[0].prompt_logprobs is not None and all(o.prompt_logprobs is None for o in outs[1:])
 
 
+def test_prompt_logprobs_skip_the_prefix_cache_as_in_vllm():
+    eng = engine(enable_prefix_caching=True)
+    sp = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    a = final(eng, "a", PROMPT, sp)
+    b = final(eng, "b", PROMPT, sp)  # the same 20 tokens: one full block would be a cache hit
+    assert b.num_cached_tokens == 0 and all(d is not None for d in b.prompt_logprobs[1:])
+    assert [list(d) for d in a.prompt_logprobs[1:]] == [list(d) for d in b.prompt_logprobs[1:]]
+    c = final(eng, "c", PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    d = final(eng, "d", PROMPT, SamplingParams(temperature=0, max_tokens=2))
+    assert c.num_cached_tokens == 0 and d.num_cached_tokens == 16  # plain requests still share the cache
+
+
 def test_prompt_logprobs_equal_log_softmax_of_a_full_forward():
     eng = engine()
     o = final(eng, "f", PROMPT, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0))
@@ -239,3 +251,18 @@ def test_negative_seed_is_a_seed_and_minus_one_is_none():
     assert a.outputs[0].token_ids == b.outputs[0].token_ids
     v2 = final(engine("v2"), "c", PROMPT, SamplingParams(temperature=1.0, seed=2**63 - 1, n=2, max_tokens=3))
     assert len(v2.outputs) == 2  # child 1's seed passes 2**63 - 1: wrapped to an int64 under V2
+
+
+@pytest.mark.parametrize("runner", ["v1", "v2"])
+def test_async_scheduling_and_chunking_give_the_same_tokens_and_logprobs(runner):
+    sp = SamplingParams(n=2, temperature=1.0, seed=9, max_tokens=6, ignore_eos=True, logprobs=2,
+                        repetition_penalty=1.3, frequency_penalty=0.5, logit_bias={7: 5.0}, prompt_logprobs=1)
+    outs = []
+    for kw in (dict(), dict(async_scheduling=True), dict(budget=8, max_num_seqs=8)):
+        o = final(engine(runner, **kw), "r", PROMPT, sp)
+        outs.append(([list(c.token_ids) for c in o.outputs],
+                     [d[t].logprob for c in o.outputs for d, t in zip(c.logprobs, c.token_ids)],
+                     [d[t].logprob for d, t in zip(o.prompt_logprobs[1:], PROMPT[1:])]))
+    for other in outs[1:]:
+        assert other[0] == outs[0][0]
+        assert other[1] == pytest.approx(outs[0][1], abs=1e-4) and other[2] == pytest.approx(outs[0][2], abs=1e-4)

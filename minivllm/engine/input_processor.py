@@ -9,6 +9,7 @@ one process and builds the ``Request`` here.
 from __future__ import annotations
 
 import numbers
+import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -130,6 +131,11 @@ class InputProcessor:
 
         params = params.clone()
         params.eos_token_id = self.eos_token_id
+        if params.prompt_logprobs is not None:
+            # vLLM does not read the prefix cache for such a request (SamplingParams.skip_reading_prefix_cache):
+            # every prompt position must run through the model. A salt of its own gives its blocks hashes no other
+            # request has, so nothing is read from the cache (its own blocks still serve its resumption).
+            cache_salt = f"{cache_salt or ''}\x00prompt_logprobs:{uuid.uuid4().hex}"
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         return Request(

@@ -69,10 +69,11 @@ class RequestState:
     def _to_dict(self, entry: LogprobsEntry) -> Dict[int, Logprob]:
         """vLLM's ``{token id: Logprob}`` of one position: the token with its rank, then the top ones with ranks
         ``1..k`` (a token in both keeps the top entry, as vLLM's dict does); texts by ``tokenizer.decode([id])``
-        (vLLM ``convert_ids_list_to_tokens``)."""
+        (vLLM ``convert_ids_list_to_tokens`` in ``vllm/tokenizers/detokenizer_utils.py``, which also restores
+        the leading spaces a SentencePiece ``decode`` strips; minivllm's byte-level BPE models strip none)."""
         ranks = [entry.rank] + list(range(1, len(entry.token_ids)))
         tok = self.tokenizer
-        return {t: Logprob(lp, r, None if tok is None else tok.decode([t]))
+        return {t: Logprob(lp, r, None if tok is None else (tok.decode([t]) or ""))
                 for t, lp, r in zip(entry.token_ids, entry.logprobs, ranks)}
 
     def add_logprobs(self, sample: List[LogprobsEntry], prompt: Optional[List[Optional[LogprobsEntry]]]) -> None:

@@ -7,7 +7,10 @@ Per step: update the per-request state and the ``InputBatch``'s block table from
 ``_prepare_inputs``), let the attention backend's builder turn it into the backend's metadata, run the model,
 compute logits only at ``logits_indices`` (the last scheduled token of each request), sample (``_sample``, each
 runner's own), and return one token per request, or ``[]`` for a request whose step was a partial prefill
-(``minivllm.request.is_partial_prefill``, decided once per row in ``_prepare_inputs``).
+(``minivllm.request.is_partial_prefill``, decided once per row in ``_prepare_inputs``). With ``logprobs`` the
+sampled token's logprobs come back too (``ModelRunnerOutput.logprobs``); with ``prompt_logprobs`` the runner also
+computes logits at every prompt position of the chunk and keeps their logprobs across chunks in the request's
+state until the prompt is done (``_prompt_logprobs``; vLLM's ``in_progress_prompt_logprobs_cpu``).
 
 ``ModelRunnerBase`` holds the phases that do not differ between the runners: the KV cache, the block table, the
 attention backend, the forward pass, the connector and CUDA-graph hooks. ``ModelRunner`` (``model_runner.py``) is
@@ -367,9 +370,10 @@ class ModelRunnerBase:
         returned, keyed by request id, by the step whose chunk reaches the end of the prompt. Computed from the
         raw logits (``log_softmax``), as vLLM's sampled logprobs are.
 
-        Where minivllm differs from vLLM: vLLM does not read the prefix cache for such a request
-        (``SamplingParams.skip_reading_prefix_cache``); minivllm's ``KVCacheManager`` does, and the positions a
-        cache hit skipped get ``None``.
+        vLLM does not read the prefix cache for such a request (``SamplingParams.skip_reading_prefix_cache``);
+        minivllm's ``InputProcessor`` gives it a cache salt of its own to the same effect. Positions a cache hit
+        skipped anyway (a Model Runner V2 request re-prefilled after preemption) would get ``None``; the output
+        side keeps the first complete list it got.
         """
         out: Dict[str, List[Optional[LogprobsEntry]]] = {}
         qsl = inputs.common_attn_metadata.query_start_loc_cpu
