@@ -81,6 +81,20 @@ install_vllm() {
   echo "$stamp" > "$venv/.minivllm-ready"
 }
 
+install_vllm033() {
+  # vLLM 0.33.0's scheduler (the GPU wheel, --no-deps, beside the CPU torch) in its own venv; reused while its two
+  # requirement files are unchanged. Its engine cannot run on the CPU: vllm-check drives only its scheduler.
+  local venv=${MINIVLLM_VLLM033_VENV:-.venv-vllm033} stamp
+  stamp="$(cat requirements-vllm033.txt requirements-vllm033-nodeps.txt | sha256sum | cut -d' ' -f1)"
+  if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.minivllm-ready" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  echo "==> installing vLLM 0.33.0's scheduler into $venv (no CUDA packages; about a minute)"
+  [ -x "$venv/bin/python" ] || "$PY" -m venv "$venv"
+  "$venv/bin/python" -m pip install -q --upgrade pip
+  "$venv/bin/python" -m pip install -q -r requirements-vllm033.txt
+  "$venv/bin/python" -m pip install -q --no-deps -r requirements-vllm033-nodeps.txt
+  echo "$stamp" > "$venv/.minivllm-ready"
+}
+
 case "${1:-}" in
   install) install ;;
   lab)
@@ -129,11 +143,14 @@ case "${1:-}" in
     exec "$py" -m minivllm.bench.gpu_check "$@"
     ;;
   vllm-check)
-    # Replays the scheduling scenarios on real vLLM (CPU build, own venv) and on minivllm, step by step.
+    # Replays the scheduling scenarios on real vLLM and on minivllm, step by step: vLLM 0.32 (the CPU build, own
+    # venv: its engine and its scheduler) and vLLM 0.33 (its scheduler, own venv).
     install
     install_vllm
+    install_vllm033
     shift
-    exec "$VENV/bin/python" -m minivllm.bench.vllm_check --vllm-python "${MINIVLLM_VLLM_VENV:-.venv-vllm}/bin/python" "$@"
+    exec "$VENV/bin/python" -m minivllm.bench.vllm_check --vllm-python "${MINIVLLM_VLLM_VENV:-.venv-vllm}/bin/python" \
+      --vllm033-python "${MINIVLLM_VLLM033_VENV:-.venv-vllm033}/bin/python" "$@"
     ;;
   *)
     echo "usage: ./course.sh lab | test | install | slides | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2

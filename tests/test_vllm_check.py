@@ -180,3 +180,31 @@ def test_known_differences_are_still_real():
     mine = minivllm_replay.replay(SCENARIOS["connector_one_request"], "v1-sync")
     ok, report = compare.compare_run(vrun, mine, live=True, strict=True)
     assert not ok and "start_load_kv" in report, "minivllm now matches: remove the entry from KNOWN_DIFFERENCES"
+
+
+def test_vllm033_check_refuses_another_release_and_names_its_modes(monkeypatch, tmp_path):
+    """The 0.33 comparison's plumbing without vLLM 0.33: a recording that says 0.32 is refused; one that says 0.33
+    is compared like any other, and a difference is reported under "<mode>@0.33"."""
+    import json
+
+    def fake_record(version, break_step):
+        def record(vllm_python, out, modes, only="", extra_env=None):
+            assert extra_env["VLLM_TARGET_DEVICE"] == "cpu" and "v1-sync" not in modes
+            rec = copy.deepcopy(RECORDINGS)
+            rec["vllm_version"] = version
+            rec["modes"] = {m: rec["modes"][m] for m in modes}
+            if break_step:
+                rec["modes"]["v1-async"]["scenarios"]["chunked_prefill_160_at_64"]["steps"][1]["num_scheduled_tokens"] = {"A": 63}
+            with open(out, "w") as f:
+                json.dump(rec, f)
+        return record
+
+    modes = ["v1-sync-scripted", "v1-async"]
+    monkeypatch.setattr(cli, "record_with_vllm", fake_record("0.32.0", False))
+    with pytest.raises(RuntimeError, match="not 0.33"):
+        cli.check_vllm033("python", modes, only="chunked_prefill_160_at_64")
+    monkeypatch.setattr(cli, "record_with_vllm", fake_record("0.33.0", False))
+    assert cli.check_vllm033("python", modes, only="chunked_prefill_160_at_64") == []
+    monkeypatch.setattr(cli, "record_with_vllm", fake_record("0.33.0", True))
+    failures = cli.check_vllm033("python", modes, only="chunked_prefill_160_at_64")
+    assert [(m, n) for m, n, _ in failures] == [("v1-async@0.33", "chunked_prefill_160_at_64")]

@@ -5,6 +5,13 @@ needed). With it (``./course.sh vllm-check`` passes ``.venv-vllm/bin/python``), 
 (``vllm_recorder.py`` in that interpreter, as a subprocess) and its fresh recording is compared; ``--record``
 also stores it as the new ``vllm_recordings.json``.
 
+``--vllm033-python`` (``./course.sh vllm-check`` passes ``.venv-vllm033/bin/python``) also runs vLLM 0.33.0's own
+``Scheduler`` and ``AsyncScheduler`` in the four scheduler-level modes and compares minivllm with them. Only the
+scheduler: 0.33 is the GPU wheel, installed ``--no-deps`` beside the CPU torch with ``VLLM_TARGET_DEVICE=cpu``
+(vLLM's CPU platform), and it has no CPU kernels, so its engine cannot run here. minivllm replays with its default
+settings, which are vLLM 0.32's; on these scenarios (FCFS, no ``prefill_schedule_interval``) the two releases
+decide alike, and the check shows it.
+
 Exit status: 0 when every mode that ran agrees; 1 on any difference (the first differing step is printed side by
 side); 1 also when a mode was skipped because minivllm cannot run it yet and ``--require-all-modes`` is given.
 """
@@ -25,8 +32,9 @@ from minivllm.bench.vllm_check import (
 )
 
 
-def record_with_vllm(vllm_python: str, out: str, modes: List[str], only: str = "") -> None:
-    """Run ``vllm_recorder.py`` with the vLLM environment's Python; it writes ``out``.
+def record_with_vllm(vllm_python: str, out: str, modes: List[str], only: str = "",
+                     extra_env: Optional[dict] = None) -> None:
+    """Run ``vllm_recorder.py`` with the vLLM environment's Python (and ``extra_env``); it writes ``out``.
 
     Raises:
         RuntimeError: when the recorder fails (its output is printed as it runs).
@@ -39,7 +47,7 @@ def record_with_vllm(vllm_python: str, out: str, modes: List[str], only: str = "
         cmd += ["--model", ensure_model_folder()]
     if only:
         cmd += ["--only", only]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"), **(extra_env or {}))
     r = subprocess.run(cmd, env=env)
     if r.returncode != 0:
         raise RuntimeError(f"the vLLM recorder failed with exit status {r.returncode}: {' '.join(cmd)}")
@@ -86,10 +94,31 @@ def check(recordings: dict, modes: List[str], only: Optional[List[str]] = None, 
     return failures, skipped
 
 
+def check_vllm033(vllm_python: str, modes: List[str], only: str = "", strict: bool = False) -> list:
+    """Record vLLM 0.33.0's scheduler in ``modes`` (scheduler-level only) and compare; returns the failures as
+    ``check`` does, each mode named ``"<mode>@0.33"``."""
+    t0 = time.time()
+    scratch = tempfile.mkdtemp(prefix="vllm033_check_")
+    path = os.path.join(scratch, "rec.json")
+    print(f"==> recording vLLM 0.33 ({vllm_python}, scheduler only: the GPU wheel has no CPU kernels, so its "
+          f"engine cannot run here) into {path}", flush=True)
+    # VLLM_TARGET_DEVICE=cpu: vLLM's CPU platform (in the GPU wheel too); VLLM_CACHE_ROOT: not the home folder.
+    record_with_vllm(vllm_python, path, modes, only,
+                     {"VLLM_TARGET_DEVICE": "cpu", "VLLM_CACHE_ROOT": os.path.join(scratch, "cache")})
+    recordings = load_recordings(path)
+    if not str(recordings.get("vllm_version", "")).startswith("0.33"):
+        raise RuntimeError(f"{vllm_python} runs vLLM {recordings.get('vllm_version')}, not 0.33")
+    print(f"==> vLLM {recordings['vllm_version']} recorded in {time.time() - t0:.0f} s", flush=True)
+    failures, _ = check(recordings, modes, [s for s in only.split(",") if s] or None, strict=strict)
+    return [(f"{m}@0.33", n, r) for m, n, r in failures]
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minivllm.bench.vllm_check", description=__doc__.split("\n")[0])
     p.add_argument("--vllm-python", help="the vLLM environment's python (run vLLM now instead of reading the "
                                          "stored recordings)")
+    p.add_argument("--vllm033-python", help="a python with vLLM 0.33.0 installed --no-deps (scheduler only): also "
+                                            "compare with 0.33's own scheduler in the scheduler-level modes")
     p.add_argument("--record", action="store_true", help=f"with --vllm-python: store the recording as {RECORDINGS_PATH}")
     p.add_argument("--recordings", default=RECORDINGS_PATH, help="recordings to compare with (default: stored)")
     p.add_argument("--modes", default=",".join(MODES))
@@ -130,6 +159,8 @@ def main(argv: Optional[List[str]] = None) -> int:
 
         for key, text in KNOWN_DIFFERENCES.items():
             print(f"known difference (excused; --strict fails on it) {key}: {text}")
+    if a.vllm033_python:
+        failures += check_vllm033(a.vllm033_python, [m for m in modes if m != "v1-sync"], a.only, a.strict)
     if failures:
         print(f"FAILED: {len(failures)} scenario run(s) differ from vLLM: "
               + ", ".join(f"{m}/{n}" for m, n, _ in failures))
