@@ -46,6 +46,10 @@ class CacheConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {u!r}")
 
 
+# The vLLM releases whose scheduling minivllm reproduces (SchedulerConfig.vllm_release).
+VLLM_RELEASES = ("0.32", "0.33")
+
+
 @dataclass
 class SchedulerConfig:
     """Scheduling limits (names and defaults as in vLLM's ``SchedulerConfig``).
@@ -74,6 +78,12 @@ class SchedulerConfig:
             tokens so far) instead of a resumed entry of ``scheduled_cached_reqs``. The engine sets it from its
             ``model_runner`` argument. (vLLM keeps the switch on ``VllmConfig`` and the scheduler copies it to its
             own ``use_v2_model_runner`` attribute; minivllm builds the scheduler from this config, so it lives here.)
+        vllm_release: ``"0.32"`` (default) or ``"0.33"``: the vLLM release whose scheduling rules minivllm follows
+            where the two differ (the priority policy's self-preemption, ``prefill_schedule_interval``; the
+            scheduler's module docstring lists them). The course and the live engine check are vLLM 0.32's.
+        prefill_schedule_interval: admit prefill only once every N executed steps while a request decodes (vLLM's
+            name and default 1). It acts only with ``vllm_release="0.33"``; vLLM 0.32 applies it only under data
+            parallelism, which minivllm has not.
         scheduler_cls: the scheduler class, or its dotted name ``"package.module.Class"`` (vLLM 0.32's
             ``SchedulerConfig.scheduler_cls``); ``None``: ``Scheduler``, or ``AsyncScheduler`` with
             ``async_scheduling``. ``EngineArgs`` resolves and checks it (``minivllm.engine.arg_utils``).
@@ -100,6 +110,8 @@ class SchedulerConfig:
     async_scheduling: bool = False
     use_v2_model_runner: bool = False
     scheduler_cls: Any = None
+    vllm_release: str = "0.32"
+    prefill_schedule_interval: int = 1
 
     def verify(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -125,6 +137,11 @@ class SchedulerConfig:
         for name in ("scheduler_reserve_full_isl", "async_scheduling", "use_v2_model_runner"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        if self.vllm_release not in VLLM_RELEASES:
+            raise ValueError(f"vllm_release must be one of {VLLM_RELEASES}, got {self.vllm_release!r}")
+        n = self.prefill_schedule_interval
+        if not isinstance(n, int) or isinstance(n, bool) or n < 1:
+            raise ValueError(f"prefill_schedule_interval must be an int >= 1, got {n!r}")
 
 
 @dataclass

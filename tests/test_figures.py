@@ -37,7 +37,7 @@ def test_unknown_figure_is_an_error(tmp_path, capsys):
 def test_committed_images_are_what_figures_draws_now(tmp_path):
     """Every figure in images/ equals what ``python -m minivllm figures`` draws from today's engine and code (the
     runs are seeded and greedy, the diagrams read the source's line numbers): a change that moves them without
-    regenerating images/ fails here. Pixels may differ by a little (anti-aliasing), the picture may not."""
+    regenerating images/ fails here."""
     import shutil
 
     import numpy as np
@@ -51,8 +51,10 @@ def test_committed_images_are_what_figures_draws_now(tmp_path):
         committed = np.asarray(Image.open(figures.DEFAULT_OUT / name).convert("RGB"), dtype=np.int16)
         assert ours.shape == committed.shape, f"{name}: {ours.shape} vs committed {committed.shape}; run " \
                                               "python -m minivllm figures"
+        # Rendering is deterministic here (unchanged figures come out pixel-identical); a changed line number in
+        # a diagram moves about 0.1 % of the pixels, so the bound is far below that.
         changed = (np.abs(ours - committed).max(axis=-1) > 32).mean()
-        assert changed < 0.002, f"{name}: {changed:.2%} of the pixels differ; run python -m minivllm figures"
+        assert changed < 1e-5, f"{name}: {changed:.3%} of the pixels differ; run python -m minivllm figures"
 
 
 def test_preemption_run_is_the_documented_one():

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import pytest
+
 from minivllm.config import SchedulerConfig
 from minivllm.core.kv_cache_manager import KVCacheManager
 from minivllm.core.kv_cache_utils import get_request_block_hasher
@@ -22,9 +24,9 @@ from minivllm.sampling_params import SamplingParams
 
 
 def make_scheduler(budget=64, num_blocks=100, block_size=16, policy="fcfs", max_num_seqs=16, max_model_len=2048,
-                   caching=True, connector=None) -> Scheduler:
+                   caching=True, connector=None, **config) -> Scheduler:
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-                          policy=policy)
+                          policy=policy, **config)
     cfg.verify()
     return Scheduler(cfg, KVCacheManager(num_blocks, block_size, max_model_len, caching), connector)
 
@@ -157,12 +159,12 @@ def test_priority_preempts_the_lowest_priority_request_not_the_last_one():
     assert sched.queue_snapshot() == (["B"], ["A", "C"]) and num_blocks(sched, "A") == 3
 
 
-def test_priority_self_preemption_continues_with_the_requests_behind():
-    # The documented deviation (scheduler.py docstring): vLLM 0.32 breaks out of the running loop once a request
-    # preempted itself; minivllm goes on under the priority policy. A (the lowest priority) is admitted alone, so it
-    # is first in the running list; B and C join one step later. When A needs a second block and none is free, A is
-    # its own victim; B and C behind it still decode in the same step (vLLM would schedule nothing in this step).
-    sched = make_scheduler(budget=64, num_blocks=3, block_size=4, policy="priority")
+@pytest.mark.parametrize("release", ["0.32", "0.33"])
+def test_priority_self_preemption_per_release(release):
+    # A (the lowest priority) is admitted alone, so it is first in the running list; B and C join one step later.
+    # When A needs a second block and none is free, A is its own victim. vLLM 0.32 then stops the running loop
+    # ("Cannot schedule this request": nothing runs this step); vLLM 0.33 goes on, and B and C decode.
+    sched = make_scheduler(budget=64, num_blocks=3, block_size=4, policy="priority", vllm_release=release)
     add(sched, "A", [1, 2, 3], priority=2, arrival=0.0)
     assert step(sched)[0].num_scheduled_tokens == {"A": 3}
     add(sched, "B", [11, 12, 13], priority=0, arrival=1.0)
@@ -172,8 +174,35 @@ def test_priority_self_preemption_continues_with_the_requests_behind():
     assert sched.queue_snapshot() == ([], ["A", "B", "C"])
     so, _ = step(sched)
     assert so.preempted_req_ids == {"A"}
-    assert so.num_scheduled_tokens == {"B": 1, "C": 1}
+    assert so.num_scheduled_tokens == ({"B": 1, "C": 1} if release == "0.33" else {})
     assert sched.queue_snapshot() == (["A"], ["B", "C"]) and free_blocks(sched) == 1
+    if release == "0.32":  # the next step runs them
+        assert step(sched)[0].num_scheduled_tokens == {"B": 1, "C": 1}
+
+
+@pytest.mark.parametrize("release, chunk_steps", [("0.32", [3, 4, 5]), ("0.33", [3, 5, 7])])
+def test_prefill_schedule_interval_holds_prefill_steps_in_0_33(release, chunk_steps):
+    # vLLM 0.33's local cadence (issue 25's measurement): with prefill_schedule_interval=2, a 160-token prompt beside
+    # a decoding request is chunked in steps 3, 5, 7 (held steps carry the decode alone); 0.32 applies the interval
+    # only under data parallelism, so its chunks run in steps 3, 4, 5.
+    sched = make_scheduler(budget=64, vllm_release=release, prefill_schedule_interval=2)
+    add(sched, "D", [1, 2, 3], max_tokens=20, arrival=0.0)
+    steps = [step(sched)[0].num_scheduled_tokens]  # step 1: D's prefill
+    steps.append(step(sched)[0].num_scheduled_tokens)  # step 2: D decodes
+    add(sched, "P", range(100, 260), max_tokens=2, arrival=1.0)
+    for _ in range(6):
+        steps.append(step(sched)[0].num_scheduled_tokens)
+    chunks = [k + 1 for k, s in enumerate(steps) if s.get("P", 0) > 1]
+    assert chunks == chunk_steps
+    assert [steps[k - 1]["P"] for k in chunks] == [63, 63, 34]  # the budget less D's decode token each time
+    assert all(s.get("D") == 1 for s in steps[1:])  # the decoding request runs in every step, held or not
+
+
+def test_release_and_interval_are_checked():
+    with pytest.raises(ValueError, match="vllm_release must be one of"):
+        make_scheduler(vllm_release="0.31")
+    with pytest.raises(ValueError, match="prefill_schedule_interval must be an int >= 1"):
+        make_scheduler(prefill_schedule_interval=0)
 
 
 def test_no_waiting_request_is_admitted_in_a_step_that_preempted():

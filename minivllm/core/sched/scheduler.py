@@ -8,13 +8,20 @@ request had to be preempted in this step, to waiting requests in queue order.
 This file is over 300 lines on purpose: ``schedule()`` and ``update_from_output`` are read side by side with
 vLLM's one ``scheduler.py`` (3,400 lines in 0.32), and splitting them would break that line-for-line reading.
 
-The one deviation from vLLM 0.32's ``Scheduler.schedule``: in the running loop, when a request cannot get its
-blocks and ends up preempting itself, vLLM stops the loop for both policies (``if new_blocks is None: break``,
-"Cannot schedule this request"), so the running requests behind it get nothing this step. minivllm does the same
-under FCFS (the victim is always the last running request, so nobody is behind it), but under the priority policy
-it goes on (``continue``) with the requests behind it: the self-preempted request was the worst one and has
-just freed all its blocks, so they may well fit, and leaving them idle for a step gains nothing.
-``tests/core/test_scheduler.py::test_priority_self_preemption_continues_with_the_requests_behind`` pins it.
+Which release: ``SchedulerConfig.vllm_release`` (``"0.32"`` by default, ``"0.33"``) picks the two rules in which
+vLLM 0.33's ``Scheduler.schedule`` decides differently from 0.32's (both read at their tags; the course's recorded
+scenarios, FCFS without a prefill interval, are scheduled alike by both, which the live check shows):
+
+* a running request that cannot get its blocks and preempts itself under the priority policy: 0.32 stops the
+  running loop (``if new_blocks is None: break``, "Cannot schedule this request"), so the requests behind it get
+  nothing this step; 0.33 goes on with them (``continue``: the request was the worst one and has just freed its
+  blocks). Under FCFS the victim is always the last running request, so both stop.
+  ``tests/core/test_scheduler.py::test_priority_self_preemption_per_release`` pins both.
+* ``prefill_schedule_interval`` N > 1: 0.33 holds prefill (new admissions and the chunks of running prompts) until
+  N executed steps have passed since the last step that carried prefill, while a decoding request runs
+  (``defer_prefills``, its local cadence without data parallelism); 0.32 applies the interval only under data
+  parallelism, which minivllm lacks, so there it changes nothing. 0.33's capacity escape is kept: once a release
+  step cannot admit every waiting request that is not held for another reason, the hold stops.
 
 Steps in flight (async scheduling, ``AsyncScheduler``): the bookkeeping vLLM 0.32 keeps in the base class lives
 here too, and costs nothing when scheduling is synchronous (every step's output is processed before the next
@@ -96,6 +103,16 @@ class Scheduler:
         self.sched_step_seq = 0  # non-empty steps scheduled
         self.processed_step_seq = 0  # non-empty steps whose output was processed
         self.deferred_frees: Deque[Tuple[int, List[KVCacheBlock]]] = deque()
+        # vLLM 0.33's local prefill cadence (see the module docstring): the interval, the executed step that last
+        # carried prefill (a whole interval back, so that the first step is never held), steps that scheduled
+        # tokens, whether the last release step left admissible requests waiting, and the requests skipped in the
+        # waiting loop for reasons of their own (vLLM's deferred_waiting), by id.
+        self.local_prefill_interval = (scheduler_config.prefill_schedule_interval
+                                       if scheduler_config.vllm_release == "0.33" else 1)
+        self.last_prefill_step = -self.local_prefill_interval
+        self.num_executed_steps = 0
+        self.prefill_capacity_bound = False
+        self.deferred_waiting: Set[str] = set()
 
     # ---------------------------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -142,6 +159,14 @@ class Scheduler:
             # As in vLLM 0.32 (scheduler.py): the cap exists so that a long prefill does not starve other requests;
             # with a single eligible request there is nobody to starve, so it may use the whole budget.
             long_prefill_token_threshold = 0
+        # vLLM 0.33: hold prefill until the interval since the last prefill-carrying step has passed, while some
+        # running request decodes (scheduler.py at v0.33.0, "Local prefill cadence").
+        defer_prefills = (
+            self.local_prefill_interval > 1 and not self.prefill_capacity_bound
+            and (self.num_executed_steps + 1) - self.last_prefill_step < self.local_prefill_interval
+            and any(not r.is_prefill_chunk for r in self.running)
+        )
+        prefill_scheduled = prefill_admitted = False
 
         # 1. running requests ----------------------------------------------------------------------------
         i = 0
@@ -157,6 +182,9 @@ class Scheduler:
                 # computed + 2 - placeholders is the token count once they are processed, for placeholders <= 1).
                 i += 1
                 continue
+            if defer_prefills and request.is_prefill_chunk:
+                i += 1  # vLLM 0.33: this prompt's next chunk waits for a step that carries prefill
+                continue
             n = request.num_tokens + placeholders - request.num_computed_tokens
             if 0 < long_prefill_token_threshold < n:
                 n = long_prefill_token_threshold
@@ -168,7 +196,6 @@ class Scheduler:
             if n <= 0:
                 i += 1
                 continue
-            blocked = False
             while True:
                 new_blocks = self.kv_cache_manager.allocate_slots(request, n)
                 if new_blocks is not None:
@@ -178,7 +205,6 @@ class Scheduler:
                     # Its blocks would only come back once its step in flight is processed: preempting it now
                     # frees nothing, so vLLM stops the running loop here (scheduler.py, "A deferred free will
                     # not help with immediate allocation").
-                    blocked = True
                     break
                 victim_index = self.running.index(victim)
                 del self.running[victim_index]
@@ -193,12 +219,14 @@ class Scheduler:
                 if victim is request:
                     break
             if new_blocks is None:
-                if self.policy == "priority" and not blocked:
-                    # Deviation from vLLM 0.32, which breaks here for both policies (see the module docstring):
-                    # the request preempted itself and freed its blocks; the requests behind it may still fit.
+                if (cfg.vllm_release == "0.33" and self.policy == "priority"
+                        and request.status == RequestStatus.PREEMPTED):
+                    # vLLM 0.33 (0.32 breaks here for both policies; see the module docstring): the request
+                    # preempted itself and freed its blocks; the requests behind it may still fit.
                     continue
                 break
             running_scheduled.append(request)
+            prefill_scheduled |= request.is_prefill_chunk
             num_scheduled_tokens[request.request_id] = n
             new_block_ids[request.request_id] = [b.block_id for b in new_blocks]
             token_budget -= n
@@ -237,6 +265,8 @@ class Scheduler:
                 num_computed_tokens = (
                     request.num_computed_tokens + num_new_local_computed_tokens + num_external_computed_tokens
                 )
+                if defer_prefills and not load_kv_async and num_computed_tokens < request.num_tokens - 1:
+                    break  # vLLM 0.33: no prefill is admitted in a held step
                 num_new_tokens = 0 if load_kv_async else request.num_tokens - num_computed_tokens
                 if 0 < long_prefill_token_threshold < num_new_tokens:
                     num_new_tokens = long_prefill_token_threshold
@@ -269,6 +299,8 @@ class Scheduler:
                     step_skipped_waiting.append(request)
                     continue
                 self.running.append(request)
+                self.deferred_waiting.discard(request.request_id)
+                prefill_admitted |= num_computed_tokens < request.num_tokens - 1
                 if request.status == RequestStatus.PREEMPTED:
                     resumed_reqs.append(request)
                 else:
@@ -283,10 +315,21 @@ class Scheduler:
                 num_scheduled_tokens[request.request_id] = num_new_tokens
                 new_block_ids[request.request_id] = self.kv_cache_manager.get_block_ids(request.request_id)
                 token_budget -= num_new_tokens
-        if step_skipped_waiting:
-            self.waiting.prepend_requests(step_skipped_waiting)
+            if step_skipped_waiting:
+                if self.local_prefill_interval > 1:
+                    self.deferred_waiting.update(r.request_id for r in step_skipped_waiting)
+                self.waiting.prepend_requests(step_skipped_waiting)
+            if self.local_prefill_interval > 1 and not defer_prefills:
+                # vLLM 0.33: a release step that leaves admissible requests waiting (not merely skipped ones)
+                # lifts the hold from then on.
+                held = sum(1 for r in self.waiting if r.request_id in self.deferred_waiting)
+                self.prefill_capacity_bound = len(self.waiting) > held
 
         total = sum(num_scheduled_tokens.values())
+        if total > 0:
+            self.num_executed_steps += 1
+        if self.local_prefill_interval > 1 and (prefill_scheduled or prefill_admitted):
+            self.last_prefill_step = self.num_executed_steps
         assert total <= cfg.max_num_batched_tokens, (total, cfg.max_num_batched_tokens)
         assert len(self.running) <= cfg.max_num_seqs
         assert len(running_scheduled) + len(new_reqs) + len(resumed_reqs) == len(num_scheduled_tokens)
@@ -563,6 +606,7 @@ class Scheduler:
         self._free_request_blocks(request)
         self.finished_req_ids.add(request.request_id)
         self.finished_recving_kv_req_ids.discard(request.request_id)
+        self.deferred_waiting.discard(request.request_id)
         del self.requests[request.request_id]
 
     def reset_prefix_cache(self, reset_running_requests: bool = False) -> bool:
