@@ -78,6 +78,9 @@ class SchedulerConfig:
             tokens so far) instead of a resumed entry of ``scheduled_cached_reqs``. The engine sets it from its
             ``model_runner`` argument. (vLLM keeps the switch on ``VllmConfig`` and the scheduler copies it to its
             own ``use_v2_model_runner`` attribute; minivllm builds the scheduler from this config, so it lives here.)
+        watermark: the fraction of KV blocks an admission must leave free while other requests run (vLLM 0.32's
+            ``SchedulerConfig.watermark``, in [0, 1); 0.0, the default, is off): headroom against repeated
+            preemption when memory is scarce.
         vllm_release: ``"0.32"`` (default) or ``"0.33"``: the vLLM release whose scheduling rules minivllm follows
             where the two differ (the priority policy's self-preemption, ``prefill_schedule_interval``; the
             scheduler's module docstring lists them). The course and the live engine check are vLLM 0.32's.
@@ -112,6 +115,7 @@ class SchedulerConfig:
     scheduler_cls: Any = None
     vllm_release: str = "0.32"
     prefill_schedule_interval: int = 1
+    watermark: float = 0.0
 
     def verify(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs", "max_model_len"):
@@ -139,6 +143,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.vllm_release not in VLLM_RELEASES:
             raise ValueError(f"vllm_release must be one of {VLLM_RELEASES}, got {self.vllm_release!r}")
+        w = self.watermark
+        if not isinstance(w, (int, float)) or isinstance(w, bool) or not 0.0 <= w < 1.0:
+            raise ValueError(f"watermark must be in [0.0, 1.0), got {w!r}")
         n = self.prefill_schedule_interval
         if not isinstance(n, int) or isinstance(n, bool) or n < 1:
             raise ValueError(f"prefill_schedule_interval must be an int >= 1, got {n!r}")

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 from minivllm.core.block_pool import BlockPool
 from minivllm.core.kv_cache_utils import KVCacheBlock
 from minivllm.metrics.stats import PrefixCacheStats
+from minivllm.request import RequestStatus
 from minivllm.utils.math_utils import cdiv
 
 if TYPE_CHECKING:
@@ -25,10 +26,14 @@ class KVCacheManager:
         block_size: tokens per block.
         max_model_len: tokens per request at most; no slot is reserved past it.
         enable_caching: prefix caching on or off.
+        watermark: the fraction of the pool that an admission must leave free while other requests are scheduled
+            (vLLM 0.32 ``SchedulerConfig.watermark``; ``int(watermark * num_gpu_blocks)`` blocks; 0.0 = off).
     """
 
-    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_gpu_blocks: int, block_size: int, max_model_len: int, enable_caching: bool = True,
+                 watermark: float = 0.0) -> None:
         self.block_size = block_size
+        self.watermark_blocks = int(watermark * num_gpu_blocks)
         self.max_model_len = max_model_len
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_gpu_blocks, enable_caching)
@@ -95,6 +100,7 @@ class KVCacheManager:
         num_lookahead_tokens: int = 0,
         full_sequence_must_fit: bool = False,
         delay_cache_blocks: bool = False,
+        has_scheduled_reqs: bool = False,
     ) -> Optional[List[KVCacheBlock]]:
         """Make room for ``num_new_tokens`` more tokens of ``request`` (vLLM ``KVCacheManager.allocate_slots``).
 
@@ -107,20 +113,26 @@ class KVCacheManager:
             num_lookahead_tokens: extra slots to reserve (speculative decoding; 0 in minivllm).
             full_sequence_must_fit: the admission gate (see ``num_blocks_to_admit``).
             delay_cache_blocks: do not hash the new blocks yet (their KV is still being loaded).
+            has_scheduled_reqs: other requests run this step; then a waiting or preempted request must also leave
+                ``watermark_blocks`` free (vLLM 0.32: the watermark applies to admissions only, and only then).
 
         Returns:
             The newly allocated blocks (possibly an empty list), or ``None`` if not enough blocks are free, in
             which case nothing at all was changed.
         """
         new_computed_blocks = list(new_computed_blocks or [])
-        if full_sequence_must_fit and self.num_blocks_to_admit(request, new_computed_blocks) > self.block_pool.get_num_free_blocks():
+        watermark_blocks = 0
+        if has_scheduled_reqs and request.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            watermark_blocks = self.watermark_blocks
+        if full_sequence_must_fit and (self.num_blocks_to_admit(request, new_computed_blocks) + watermark_blocks
+                                       > self.block_pool.get_num_free_blocks()):
             return None
         total_computed = request.num_computed_tokens + num_new_computed_tokens
         num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(new_computed_blocks), 0)
         num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits > self.block_pool.get_num_free_blocks():
+        if num_new_blocks + num_evictable_hits + watermark_blocks > self.block_pool.get_num_free_blocks():
             if not req_blocks:
                 del self.req_to_blocks[request.request_id]
             return None

@@ -101,6 +101,7 @@ class EngineArgs:
         vllm_release / prefill_schedule_interval: which vLLM release's scheduling rules to follow where 0.32 and
             0.33 differ (default ``"0.32"``), and vLLM's prefill cadence (acts under ``"0.33"``); see
             ``SchedulerConfig``.
+        watermark: KV headroom kept free at admission while others run (vLLM's, default 0.0 = off).
         scheduler_cls: a ``Scheduler`` subclass or its dotted name (vLLM's ``scheduler_cls``, ``--scheduler-cls``);
             ``None``: ``Scheduler``, or ``AsyncScheduler`` with ``async_scheduling`` (``resolve_scheduler_cls``).
         max_num_batched_tokens: the token budget per step. Default 2048 (or ``max_model_len`` if larger and
@@ -162,6 +163,7 @@ class EngineArgs:
     scheduler_cls: Any = None
     vllm_release: str = "0.32"
     prefill_schedule_interval: int = 1
+    watermark: float = 0.0
 
     def _resolve_model_runner(self) -> str:
         """``"v1"`` or ``"v2"``: ``model_runner``, else ``VLLM_USE_V2_MODEL_RUNNER``, else V1 (vLLM would pick V2
@@ -231,6 +233,7 @@ class EngineArgs:
             use_v2_model_runner=self._resolve_model_runner() == "v2",
             scheduler_cls=resolve_scheduler_cls(self.scheduler_cls, self.async_scheduling),
             vllm_release=self.vllm_release, prefill_schedule_interval=self.prefill_schedule_interval,
+            watermark=self.watermark,
         )
         scheduler_config.verify()
         cache_config = CacheConfig(block_size, num_gpu_blocks, self.kv_cache_memory_bytes, self.enable_prefix_caching,

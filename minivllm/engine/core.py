@@ -82,7 +82,7 @@ class EngineCore:
             raise
         cache, sched = vllm_config.cache_config, vllm_config.scheduler_config
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
-                                               cache.enable_prefix_caching)
+                                               cache.enable_prefix_caching, sched.watermark)
         scheduler_cls = sched.scheduler_cls or (AsyncScheduler if sched.async_scheduling else Scheduler)
         self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
         self.step_observers: List[StepObserver] = []

@@ -28,7 +28,7 @@ def make_scheduler(budget=64, num_blocks=100, block_size=16, policy="fcfs", max_
     cfg = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
                           policy=policy, **config)
     cfg.verify()
-    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, max_model_len, caching), connector)
+    return Scheduler(cfg, KVCacheManager(num_blocks, block_size, max_model_len, caching, cfg.watermark), connector)
 
 
 def add(sched: Scheduler, rid: str, prompt: Sequence[int], max_tokens: int = 16, priority: int = 0,
@@ -196,6 +196,22 @@ def test_prefill_schedule_interval_holds_prefill_steps_in_0_33(release, chunk_st
     assert chunks == chunk_steps
     assert [steps[k - 1]["P"] for k in chunks] == [63, 63, 34]  # the budget less D's decode token each time
     assert all(s.get("D") == 1 for s in steps[1:])  # the decoding request runs in every step, held or not
+
+
+@pytest.mark.parametrize("watermark, first_step", [(0.0, {"A": 12, "B": 16}), (0.25, {"A": 12})])
+def test_watermark_keeps_headroom_at_admission_while_others_run(watermark, first_step):
+    # vLLM 0.32's SchedulerConfig.watermark: 0.25 of 8 blocks = 2 blocks an admission must leave free, but only
+    # while another request is scheduled. A (3 blocks) is admitted with the pool idle; B (4 blocks) then needs
+    # 4 + 2 of the 5 free blocks and waits; without the watermark both start in step 1.
+    sched = make_scheduler(budget=64, num_blocks=8, block_size=4, watermark=watermark)
+    add(sched, "A", range(1, 13), max_tokens=2, arrival=0.0)
+    add(sched, "B", range(20, 36), max_tokens=2, arrival=1.0)
+    so, _ = step(sched)
+    assert so.num_scheduled_tokens == first_step
+    if watermark:
+        assert sched.kv_cache_manager.watermark_blocks == 2 and free_blocks(sched) == 5
+        with pytest.raises(ValueError, match=r"watermark must be in \[0.0, 1.0\)"):
+            make_scheduler(watermark=1.0)
 
 
 def test_release_and_interval_are_checked():

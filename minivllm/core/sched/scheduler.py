@@ -280,6 +280,7 @@ class Scheduler:
                     new_computed_blocks=new_computed_blocks,
                     full_sequence_must_fit=cfg.scheduler_reserve_full_isl,
                     delay_cache_blocks=load_kv_async,
+                    has_scheduled_reqs=bool(self.running),
                 )
                 if new_blocks is None:
                     if not self.running and not num_scheduled_tokens:
