@@ -117,7 +117,10 @@ class LLMEngine:
         """Validate and queue one request (``None`` as id: the engine picks a free one). Returns its id.
 
         Every check runs before any engine state changes, so a rejected request leaves requests in flight
-        untouched (see ``InputProcessor.process_inputs`` for the checks).
+        untouched (see ``InputProcessor.process_inputs`` for the checks). With ``params.n > 1`` the request is fanned
+        out into ``n`` children ``f"{i}_{request_id}"`` (``engine/parallel_sampling.py``), all validated first;
+        its outputs carry ``request_id`` and the children's completions, each with its ``index``, and
+        ``abort_request(request_id)`` aborts them all.
 
         Raises:
             ValueError: ``request_id`` used by an unfinished request, or anything ``process_inputs`` rejects.
