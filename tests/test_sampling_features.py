@@ -266,3 +266,21 @@ def test_async_scheduling_and_chunking_give_the_same_tokens_and_logprobs(runner)
     for other in outs[1:]:
         assert other[0] == outs[0][0]
         assert other[1] == pytest.approx(outs[0][1], abs=1e-4) and other[2] == pytest.approx(outs[0][2], abs=1e-4)
+
+
+def test_the_logprobs_tap_leaves_no_reference_cycle():
+    """The engine wraps its scheduler's update_from_output (see LLMEngine._install_logprobs_tap): weakly, so a
+    dropped engine is freed at once, without a garbage collection."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        eng = engine()
+        final(eng, "a", PROMPT, SamplingParams(max_tokens=2, logprobs=1))
+        ref = weakref.ref(eng.engine_core.scheduler)
+        del eng
+        assert ref() is None
+    finally:
+        gc.enable()

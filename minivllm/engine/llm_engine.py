@@ -10,6 +10,7 @@ served. Where minivllm differs from vLLM (one process, no engine-core client), s
 from __future__ import annotations
 
 import itertools
+import weakref
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
 
 from minivllm.engine.arg_utils import EngineArgs
@@ -164,12 +165,16 @@ class LLMEngine:
         one ``None`` check per step.
         """
         scheduler = self.engine_core.scheduler
-        update = scheduler.update_from_output
+        # Weakly: the wrapper lives in the scheduler's __dict__; a strong bound method would be a reference cycle
+        # that keeps the engine (and its worker processes) alive until a garbage collection.
+        update = weakref.WeakMethod(scheduler.update_from_output)
         self._step_logprobs: Dict[int, Tuple[List[LogprobsEntry], Optional[List[Optional[LogprobsEntry]]]]] = {}
         step_logprobs = self._step_logprobs
 
         def update_from_output(scheduler_output, model_runner_output):
-            outputs = update(scheduler_output, model_runner_output)
+            method = update()
+            assert method is not None, "the scheduler outlives its own method"
+            outputs = method(scheduler_output, model_runner_output)
             sample, prompt = model_runner_output.logprobs, model_runner_output.prompt_logprobs_dict
             if sample is None and not prompt:
                 return outputs
