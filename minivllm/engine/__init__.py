@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 if TYPE_CHECKING:
     from minivllm.metrics.stats import SchedulerStats
+    from minivllm.outputs import LogprobsEntry
 
 
 @dataclass
@@ -25,12 +26,18 @@ class EngineCoreOutput:
         new_token_ids: tokens appended in this step (empty only when the request finished without one).
         finish_reason: ``"stop"``, ``"length"`` or ``"abort"`` once finished, else ``None``.
         stop_reason: the stop token id that matched, else ``None``.
+        new_logprobs: with ``SamplingParams.logprobs``, one ``LogprobsEntry`` per new token (vLLM
+            ``EngineCoreOutput.new_logprobs``), else ``None``.
+        new_prompt_logprobs: with ``SamplingParams.prompt_logprobs``, in the step that finished the prompt: ``None``
+            for the first prompt token, then one entry per prompt token (vLLM ``new_prompt_logprobs_tensors``).
     """
 
     request_id: str
     new_token_ids: List[int]
     finish_reason: Optional[str] = None
     stop_reason: Optional[object] = None
+    new_logprobs: Optional[List["LogprobsEntry"]] = None
+    new_prompt_logprobs: Optional[List[Optional["LogprobsEntry"]]] = None
 
 
 @dataclass

@@ -10,8 +10,7 @@ served. Where minivllm differs from vLLM (one process, no engine-core client), s
 from __future__ import annotations
 
 import itertools
-import weakref
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Union
 
 from minivllm.engine.arg_utils import EngineArgs
 from minivllm.engine.core import EngineCore, StepObserver
@@ -19,7 +18,7 @@ from minivllm.engine.input_processor import InputProcessor, PromptType
 from minivllm.engine.output_processor import OutputProcessor
 from minivllm.metrics.stats import SchedulerStats
 from minivllm.engine.parallel_sampling import ParentRequest
-from minivllm.outputs import LogprobsEntry, RequestOutput
+from minivllm.outputs import RequestOutput
 from minivllm.request import Request, RequestStatus
 from minivllm.sampling_params import SamplingParams
 
@@ -70,7 +69,6 @@ class LLMEngine:
         self.engine_core = EngineCore(config)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
-        self._install_logprobs_tap()
         self.scheduler = self.engine_core.scheduler
         self.kv_cache_manager = self.engine_core.kv_cache_manager
         # The last step's SchedulerStats, when the scheduler's log_stats is on (vLLM hands them to its loggers).
@@ -154,41 +152,6 @@ class LLMEngine:
         self.engine_core.add_request(request)
         return request_id
 
-    def _install_logprobs_tap(self) -> None:
-        """Carry the model runner's logprobs to the output processor.
-
-        Where minivllm differs from vLLM: vLLM's ``Scheduler.update_from_output`` copies
-        ``ModelRunnerOutput.logprobs`` / ``prompt_logprobs_dict`` into each ``EngineCoreOutput``
-        (``new_logprobs``, ``new_prompt_logprobs_tensors``). minivllm's scheduler does not (yet); the engine wraps
-        that method instead and keeps, for each engine core output it returned, the entries of the request's kept
-        tokens, keyed by the output object's ``id`` until ``step`` hands them on. Requests without logprobs cost
-        one ``None`` check per step.
-        """
-        scheduler = self.engine_core.scheduler
-        # Weakly: the wrapper lives in the scheduler's __dict__; a strong bound method would be a reference cycle
-        # that keeps the engine (and its worker processes) alive until a garbage collection.
-        update = weakref.WeakMethod(scheduler.update_from_output)
-        self._step_logprobs: Dict[int, Tuple[List[LogprobsEntry], Optional[List[Optional[LogprobsEntry]]]]] = {}
-        step_logprobs = self._step_logprobs
-
-        def update_from_output(scheduler_output, model_runner_output):
-            method = update()
-            assert method is not None, "the scheduler outlives its own method"
-            outputs = method(scheduler_output, model_runner_output)
-            sample, prompt = model_runner_output.logprobs, model_runner_output.prompt_logprobs_dict
-            if sample is None and not prompt:
-                return outputs
-            index = model_runner_output.req_id_to_index
-            for eco in outputs:
-                i = index.get(eco.request_id)
-                entry = sample[i] if sample is not None and i is not None else None
-                plp = prompt.get(eco.request_id) if prompt else None
-                if entry is not None or plp is not None:
-                    step_logprobs[id(eco)] = ([entry] if entry is not None and eco.new_token_ids else [], plp)
-            return outputs
-
-        setattr(scheduler, "update_from_output", update_from_output)
-
     def abort_request(self, request_ids: Union[str, Iterable[str]]) -> List[RequestOutput]:
         """Abort requests wherever they are (waiting, mid-prefill, decoding, preempted); unknown ids are ignored.
 
@@ -237,9 +200,7 @@ class LLMEngine:
         core_outputs = self.engine_core.step()
         if core_outputs.scheduler_stats is not None:
             self.scheduler_stats = core_outputs.scheduler_stats
-        step_logprobs = dict(self._step_logprobs)
-        self._step_logprobs.clear()
-        processed = self.output_processor.process_outputs(core_outputs.outputs, step_logprobs)
+        processed = self.output_processor.process_outputs(core_outputs.outputs)
         self.engine_core.finish_requests(processed.reqs_to_abort, RequestStatus.FINISHED_STOPPED)
         for observer in self.engine_core.step_observers:
             observer.on_step_end(self.engine_core, core_outputs, processed.request_outputs)

@@ -26,7 +26,7 @@ finished request's state is dropped at once, so the processor holds only live re
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, List, Optional, Tuple
+from typing import Dict, Iterable, List, Optional
 
 from minivllm.engine import EngineCoreOutput
 from minivllm.engine.detokenizer import IncrementalDetokenizer
@@ -150,25 +150,17 @@ class OutputProcessor:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.request_states or request_id in self.parent_requests
 
-    def process_outputs(
-        self, engine_core_outputs: Iterable[EngineCoreOutput],
-        logprobs: Optional[Dict[int, Tuple[List[LogprobsEntry], Optional[List[Optional[LogprobsEntry]]]]]] = None,
-    ) -> OutputProcessorOutput:
-        """Detokenize each request's new tokens, check stop strings, build the outputs, drop finished requests.
-
-        ``logprobs``: ``{id(engine core output): (sampled-token entries, prompt entries or None)}``, for the
-        outputs whose request asked for logprobs (``LLMEngine`` takes them from the ``ModelRunnerOutput``).
-        Outputs for requests no longer here (aborted while the step ran) are ignored, as in vLLM.
-        """
+    def process_outputs(self, engine_core_outputs: Iterable[EngineCoreOutput]) -> OutputProcessorOutput:
+        """Detokenize each request's new tokens, check stop strings, build the outputs (with the logprobs each
+        ``EngineCoreOutput`` carries), drop finished requests. Outputs for requests no longer here (aborted while
+        the step ran) are ignored, as in vLLM."""
         result = OutputProcessorOutput()
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.request_id)
             if state is None:
                 continue
-            if logprobs:
-                lp = logprobs.get(id(eco))
-                if lp is not None:
-                    state.add_logprobs(*lp)
+            if eco.new_logprobs is not None or eco.new_prompt_logprobs is not None:
+                state.add_logprobs(eco.new_logprobs or [], eco.new_prompt_logprobs)
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason
             stop_string = state.detokenizer.update(eco.new_token_ids, finish_reason == "stop")
             if stop_string is not None:

@@ -531,7 +531,15 @@ class Scheduler:
             if done:
                 (stopped_running if status_before == RequestStatus.RUNNING else stopped_waiting).append(request)
                 self._free_request(request)
-            outputs.append(EngineCoreOutput(req_id, kept, request.get_finished_reason(), request.stop_reason))
+            eco = EngineCoreOutput(req_id, kept, request.get_finished_reason(), request.stop_reason)
+            # The runner's logprobs ride with the tokens they belong to (vLLM update_from_output does the same).
+            if model_runner_output.logprobs is not None:
+                entry = model_runner_output.logprobs[model_runner_output.req_id_to_index[req_id]]
+                if entry is not None:
+                    eco.new_logprobs = [entry] if kept else []
+            if model_runner_output.prompt_logprobs_dict:
+                eco.new_prompt_logprobs = model_runner_output.prompt_logprobs_dict.get(req_id)
+            outputs.append(eco)
         if stopped_running:
             ids = {id(r) for r in stopped_running}
             self.running = [r for r in self.running if id(r) not in ids]
