@@ -47,6 +47,7 @@ LANES = {
         "test_exercises.py", "test_viz.py", "test_figures.py", "test_diagrams.py", "test_slides.py",
         "test_slides_browser.py", "test_study_time.py", "test_vllm_recordings_course.py", "test_browser.py",
         "test_chinese.py", "test_notebook_files.py", "test_faq_claims.py", "test_readme_commands.py",
+        "test_lectures.py",
     ),
     # minivllm/bench: the benchmarks, the GPU check, the live vLLM check
     "bench": ("test_bench.py", "test_bench_serve.py", "test_gpu_check.py", "test_vllm_check.py"),
