@@ -283,17 +283,19 @@ def test_an_unguarded_script_fails_with_the_reason_and_what_to_write(tmp_path):
     assert 'if __name__ == "__main__":' in message, out.stderr[-3000:]
 
 
-def test_traced_engine_records_the_same_inputs_with_tensor_parallelism(tp2_engine):
+def test_traced_engine_records_the_same_inputs_with_tensor_parallelism():
     from minivllm.course.trace import SchedulerTrace
 
-    one = LLMEngine("tiny-tp", **TIGHT)
+    # Its own TP engine: the module's shared one is shut down by an earlier test.
+    one, two = LLMEngine("tiny-tp", **TIGHT), LLMEngine("tiny-tp", tensor_parallel_size=2, **TIGHT)
     traces = []
-    for engine in (one, tp2_engine):
+    for engine in (one, two):
         trace = SchedulerTrace(record_inputs=True)
         engine.add_step_observer(trace)
         engine.add_request("t", PROMPTS[0], GREEDY)
         engine.run_to_completion()
         engine.engine_core.step_observers.remove(trace)
         traces.append(trace)
+    two.shutdown()
     assert [r.inputs for r in traces[0]] == [r.inputs for r in traces[1]]
     assert traces[0][0].inputs["slot_mapping"][:4] == list(range(4))
