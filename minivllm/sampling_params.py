@@ -9,6 +9,9 @@ from typing import Dict, Optional, Sequence, Union
 
 _GREEDY_EPS = 1e-5
 
+# The largest n (vLLM 0.32: VLLM_MAX_N_SEQUENCES, default 16384): one request may not fan out without bound.
+MAX_N_SEQUENCES = 16384
+
 
 class RequestOutputKind(enum.Enum):
     """What each ``RequestOutput`` of a running request carries (vLLM: ``vllm/sampling_params.py``).
@@ -130,6 +133,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or isinstance(self.n, bool) or self.n < 1:
             raise bad("n", self.n, "an int >= 1")
+        if self.n > MAX_N_SEQUENCES:  # vLLM: VLLM_MAX_N_SEQUENCES, default 16384 (sampling_params.py)
+            raise bad("n", self.n, f"at most {MAX_N_SEQUENCES}")
         for name, lo, hi in (("presence_penalty", -2.0, 2.0), ("frequency_penalty", -2.0, 2.0)):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo <= v <= hi:

@@ -284,3 +284,22 @@ def test_the_logprobs_tap_leaves_no_reference_cycle():
         assert ref() is None
     finally:
         gc.enable()
+
+
+def test_n_is_bounded_and_the_prompt_is_checked_once_for_all_children():
+    from minivllm import LLMEngine
+    from minivllm.sampling_params import MAX_N_SEQUENCES
+
+    with pytest.raises(ValueError, match=f"n must be at most {MAX_N_SEQUENCES}, got {MAX_N_SEQUENCES + 1}"):
+        SamplingParams(n=MAX_N_SEQUENCES + 1, temperature=1.0)
+    eng = LLMEngine("tiny", num_gpu_blocks=64, block_size=4)
+    calls = []
+    tokenize = eng.input_processor.tokenize
+    eng.input_processor.tokenize = lambda p: calls.append(1) or tokenize(p)
+    eng.add_request("p", [5, 6, 7], SamplingParams(n=50, temperature=1.0, seed=3, max_tokens=2))
+    assert len(calls) == 1  # one validation, then 49 cheap copies (vLLM fans out after validating once)
+    children = [eng.get_request(f"{i}_p") for i in range(50)]
+    assert [c.sampling_params.seed for c in children[:3]] == [3, 4, 5] and all(c.sampling_params.n == 1 for c in children)
+    assert len({id(c.prompt_token_ids) for c in children}) == 50  # each child its own token list
+    out = eng.run_to_completion()["p"]
+    assert sorted(c.index for c in out.outputs) == list(range(50))

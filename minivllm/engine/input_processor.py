@@ -67,6 +67,21 @@ class InputProcessor:
             return None, [int(t) for t in prompt]
         raise ValueError(f"prompt must be a string, a list of token ids or a dict, got {type(prompt).__name__}")
 
+    def child_request(self, request: Request, child_id: str, seed: Optional[int]) -> Request:
+        """Child ``child_id`` of a request ``process_inputs`` already validated (``n > 1``): the same prompt and
+        settings, its own ``seed`` and token list, with nothing checked or tokenized again (vLLM validates the
+        parent once in its front end, then fans out)."""
+        params = request.sampling_params.clone()
+        params.n, params.seed = 1, seed
+        cache_salt = request.cache_salt
+        if params.prompt_logprobs is not None:  # a salt of its own, as process_inputs gives one
+            cache_salt = f"{cache_salt or ''}\x00prompt_logprobs:{uuid.uuid4().hex}"
+        return Request(
+            child_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_time,
+            priority=request.priority, eos_token_id=self.eos_token_id, block_hasher=self._block_hasher,
+            prompt=request.prompt, cache_salt=cache_salt,
+        )
+
     def process_inputs(
         self,
         request_id: str,
@@ -118,8 +133,10 @@ class InputProcessor:
                                  f"Vocabulary size: {self.vocab_size}")
         for name in ("logprobs", "prompt_logprobs"):  # vLLM SamplingParams._validate_logprobs
             num = getattr(params, name)
-            if num is not None and (self.vocab_size if num == -1 else num) > MAX_LOGPROBS:
-                raise ValueError(f"{name}: requested {num} logprobs, which is greater than max allowed: "
+            requested = self.vocab_size if num == -1 else num
+            if num is not None and requested > MAX_LOGPROBS:
+                whole = " (-1: the whole vocabulary)" if num == -1 else ""
+                raise ValueError(f"{name}: requested {requested} logprobs{whole}, which is greater than max allowed: "
                                  f"{MAX_LOGPROBS}")
         if arrival_time is not None and (not isinstance(arrival_time, numbers.Real) or isinstance(arrival_time, bool)
                                          or arrival_time != arrival_time):

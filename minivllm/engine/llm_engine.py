@@ -136,13 +136,16 @@ class LLMEngine:
             # vLLM's fan-out (v1/engine/llm_engine.py add_request + parallel_sampling.ParentRequest): n child
             # requests, all validated before any is queued.
             parent = ParentRequest(request_id, params)
-            children = []
+            children: List[Request] = []
             for index in range(params.n):
                 child_id, child_params = parent.get_child_info(index)
                 if child_id in live or self.output_processor.has_request(child_id):
                     raise ValueError(f"request_id {child_id!r} (child {index} of {request_id!r}) is already in use")
-                children.append(self.input_processor.process_inputs(child_id, prompt, child_params, arrival_time,
-                                                                    priority, cache_salt))
+                if not children:  # the prompt is tokenized and checked once, for the first child
+                    children.append(self.input_processor.process_inputs(child_id, prompt, child_params,
+                                                                        arrival_time, priority, cache_salt))
+                else:
+                    children.append(self.input_processor.child_request(children[0], child_id, child_params.seed))
             for index, child in enumerate(children):
                 self.output_processor.add_request(child, parent, index)
                 self.engine_core.add_request(child)

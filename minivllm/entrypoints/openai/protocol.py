@@ -104,9 +104,18 @@ def _check_strings(value: Any, name: str) -> Any:
     return value
 
 
-# The neutral value of each field minivllm's engine does not implement (vLLM's defaults).
-UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {"response_format": (None, {"type": "text"}), "tools": (None, []),
-                                                  "tool_choice": (None, "none")}
+# The neutral values of each field vLLM 0.32's server honours and minivllm's engine does not implement (vLLM's
+# defaults; vllm/entrypoints/openai/completion/protocol.py and chat_completion/protocol.py): a request that sets
+# one otherwise gets a 400 naming it, rather than having it silently ignored. Fields an endpoint lacks are skipped.
+UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {
+    "response_format": (None, {"type": "text"}), "tools": (None, []), "tool_choice": (None, "none"),
+    "allowed_token_ids": (None, []), "bad_words": (None, []), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (None,),
+    "priority": (0,), "structured_outputs": (None,), "guided_json": (None,), "guided_regex": (None,),
+    "guided_choice": (None,), "guided_grammar": (None,), "suffix": (None, ""),
+    "functions": (None, []), "function_call": (None, "none"), "continue_final_message": (False,),
+    "chat_template": (None,), "chat_template_kwargs": (None, {}),
+}
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -131,10 +140,23 @@ class _SamplingRequest(OpenAIBaseModel):
     presence_penalty: Optional[float] = None
     repetition_penalty: Optional[float] = None  # vLLM's extra
     logit_bias: Optional[Dict[str, float]] = None
-    # Refused unless neutral (see UNSUPPORTED_FIELDS): the engine has no grammars or tools.
+    # Refused unless neutral (see UNSUPPORTED_FIELDS): the engine has no grammars, tools, bad words, allowed-token
+    # masks or truncation, the server no --scheduling-policy (priority) and no template choice.
     response_format: Optional[Dict[str, Any]] = None
     tools: Optional[List[Dict[str, Any]]] = None
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    allowed_token_ids: Optional[List[int]] = None
+    bad_words: Optional[List[str]] = None
+    include_stop_str_in_output: Any = False
+    skip_special_tokens: Any = True
+    spaces_between_special_tokens: Any = True
+    truncate_prompt_tokens: Optional[int] = None
+    priority: Any = 0
+    structured_outputs: Optional[Dict[str, Any]] = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -149,7 +171,7 @@ class _SamplingRequest(OpenAIBaseModel):
     def unsupported_field(self) -> Optional[str]:
         """The first field set to a value minivllm cannot honour, if any."""
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            if getattr(self, name) not in neutral:
+            if name in type(self).model_fields and getattr(self, name) not in neutral:
                 return name
         return None
 
@@ -195,7 +217,8 @@ class CompletionRequest(_SamplingRequest):
 
     prompt: Union[str, List[int], List[str], List[List[int]]]
     max_tokens: Optional[int] = 16
-    echo: bool = False
+    echo: bool = False  # refused (serving_completion.py)
+    suffix: Optional[str] = None  # refused unless neutral (UNSUPPORTED_FIELDS)
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None  # vLLM's extra
 
@@ -254,6 +277,11 @@ class ChatCompletionRequest(_SamplingRequest):
     max_tokens: Optional[int] = None
     max_completion_tokens: Optional[int] = None
     add_generation_prompt: bool = True
+    functions: Optional[List[Dict[str, Any]]] = None  # refused unless neutral (UNSUPPORTED_FIELDS)
+    function_call: Any = None
+    continue_final_message: Any = False
+    chat_template: Optional[str] = None
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = 0
 

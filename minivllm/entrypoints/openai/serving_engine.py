@@ -57,8 +57,10 @@ class RequestError(Exception):
         """vLLM's error body: ``type`` is the error's class name (``BadRequestError``, ``NotFoundError``, ...),
         ``code`` the HTTP status."""
         kind = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError",
-                413: "RequestEntityTooLargeError", 503: "ServiceUnavailableError"}.get(self.status.value,
-                                                                                        "InternalServerError")
+                405: "MethodNotAllowedError", 413: "RequestEntityTooLargeError", 415: "UnsupportedMediaTypeError",
+                499: "ClientClosedRequestError", 503: "ServiceUnavailableError"}.get(self.status.value)
+        if kind is None:  # a client error is never labelled a server error
+            kind = "BadRequestError" if self.status.value < 500 else "InternalServerError"
         return ErrorResponse(error=ErrorInfo(message=truncate(self.message), type=kind, param=self.param,
                                              code=self.status.value))
 
@@ -92,7 +94,7 @@ def param_of(message: str) -> Optional[str]:
     (``"top_p must be in (0, 1], got 2.0"``); the prompt checks name ``prompt``, ``prompt length`` or
     ``prompt_token_ids``."""
     first = message.split(" ", 1)[0].strip(":,")
-    if first.startswith("prompt"):
+    if first.startswith("prompt") and first != "prompt_logprobs":
         return "prompt"
     return first if first in _PARAMS else None
 
@@ -186,7 +188,8 @@ class OpenAIServing:
         unsupported = request.unsupported_field()
         if unsupported is not None:
             raise RequestError(f"{unsupported} is not supported by minivllm's server (its engine has no "
-                               f"structured outputs or tools); got {unsupported}="
+                               f"structured outputs, tools, bad words, allowed-token masks or prompt truncation, "
+                               f"and it serves one scheduling policy and one chat template); got {unsupported}="
                                f"{truncate(repr(getattr(request, unsupported)), 200)}", unsupported)
         try:
             return request.to_sampling_params()
