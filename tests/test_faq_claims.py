@@ -495,14 +495,18 @@ def test_course_links_between_notebooks_resolve():
 
 
 def test_notebooks_name_the_pinned_vllm_release():
-    # The course pins vLLM 0.32.0: no notebook cites another release as the one it describes.
+    # The course pins vLLM 0.32.0 and names 0.33.0 beside it (issue 25): a notebook that speaks of 0.33 also names
+    # 0.32, the release it describes; no later release is cited.
     from pathlib import Path
 
     import json
 
+    release = r"(?i)(vllm[ -]?|\bv)0\.{minor}\b|\b0\.{minor}\.\d|\b0\.{minor}:"
     for f in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
         # sources and outputs only: the execution timestamps in cell metadata ("14:57:10.339408Z") may contain it
         cells = json.loads(f.read_text())["cells"]
         text = json.dumps([(c["source"], c.get("outputs")) for c in cells])
-        # a release as people write it (vLLM 0.33, v0.33, 0.33.0), not a number such as 0.333 in a table
-        assert not re.search(r"(?i)(vllm[ -]?|\bv)0\.33\b|\b0\.33\.\d", text), f.name
+        if re.search(release.format(minor=33), text):
+            assert re.search(release.format(minor=32), text), f"{f.name} speaks of 0.33 and never names 0.32"
+        for minor in (34, 35):
+            assert not re.search(release.format(minor=minor), text), f"{f.name} cites 0.{minor}"
