@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Set
 
+from minivllm.metrics.stats import RequestStateStats
+
 
 @dataclass
 class LogprobsEntry:
@@ -75,6 +77,9 @@ class RequestOutput:
         num_preemptions: times the request was preempted.
         new_token_ids / new_text: what this step added (for streaming, whatever the output kind; a minivllm
             shortcut, not in vLLM).
+        metrics: the request's ``RequestStateStats`` (arrival, first and latest token times; vLLM
+            ``RequestOutput.metrics``), so that time to first token is known even when only the final output is
+            delivered; ``None`` for an output made outside the engine (an abort the front end reports).
 
     ``outputs[0].text`` and ``token_ids`` follow ``SamplingParams.output_kind``: everything so far
     (``CUMULATIVE``, the default; ``token_ids`` is then the engine's growing list, not a copy), this step's part
@@ -92,6 +97,7 @@ class RequestOutput:
     new_token_ids: List[int] = field(default_factory=list)
     new_text: str = ""
     prompt_logprobs: Optional[PromptLogprobs] = None
+    metrics: Optional[RequestStateStats] = field(default=None, compare=False, repr=False)
 
 
 @dataclass

@@ -437,3 +437,25 @@ def test_dead_error_names_the_cause_without_keeping_its_frames():
     assert out.finished and not client.is_running
     assert "RuntimeError('step failed')" in str(client.dead_error)
     assert client.dead_error.__traceback__ is None  # the failed step's frames are not kept alive by it
+
+
+def test_metrics_of_a_whole_response_come_from_the_engine(tiny):
+    # A non-streaming response has one output, the final one: the server alone cannot see its first token. Its
+    # TTFT is the engine's (RequestOutput.metrics), below the request's e2e, and its 20 tokens add 19 gaps.
+    async_llm, server = tiny
+
+    def values():
+        text = httpx.get(server.base + "/metrics", timeout=10).text
+        return {line.split("{")[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                if line.startswith("vllm:") and "{" in line}
+
+    before = values()
+    body = {"model": "tiny", "prompt": list(range(1, 41)), "max_tokens": 20, "ignore_eos": True}
+    assert httpx.post(server.base + "/v1/completions", json=body, timeout=60).status_code == 200
+    after = values()
+    ttft = after["vllm:time_to_first_token_seconds_sum"] - before["vllm:time_to_first_token_seconds_sum"]
+    e2e = after["vllm:e2e_request_latency_seconds_sum"] - before["vllm:e2e_request_latency_seconds_sum"]
+    assert after["vllm:time_to_first_token_seconds_count"] - before["vllm:time_to_first_token_seconds_count"] == 1
+    assert 0 < ttft < e2e
+    assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 19
+    assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 40

@@ -25,12 +25,14 @@ finished request's state is dropped at once, so the processor holds only live re
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, List, Optional
 
 from minivllm.engine import EngineCoreOutput
 from minivllm.engine.detokenizer import IncrementalDetokenizer
 from minivllm.engine.parallel_sampling import ParentRequest
+from minivllm.metrics.stats import RequestStateStats
 from minivllm.outputs import CompletionOutput, Logprob, LogprobsEntry, PromptLogprobs, RequestOutput, SampleLogprobs
 from minivllm.request import Request
 from minivllm.sampling_params import RequestOutputKind
@@ -65,6 +67,7 @@ class RequestState:
         self.prompt_logprobs: Optional[PromptLogprobs] = None
         self.prompt_logprobs_sent = False
         self._new_logprobs: SampleLogprobs = []
+        self.stats = RequestStateStats(arrival_time=time.monotonic())
 
     def _to_dict(self, entry: LogprobsEntry) -> Dict[int, Logprob]:
         """vLLM's ``{token id: Logprob}`` of one position: the token with its rank, then the top ones with ranks
@@ -126,6 +129,7 @@ class RequestState:
             num_preemptions=request.num_preemptions,
             new_token_ids=new_token_ids,
             new_text=new_text,
+            metrics=self.stats,
         )
 
 
@@ -155,10 +159,17 @@ class OutputProcessor:
         ``EngineCoreOutput`` carries), drop finished requests. Outputs for requests no longer here (aborted while
         the step ran) are ignored, as in vLLM."""
         result = OutputProcessorOutput()
+        now = time.monotonic()
         for eco in engine_core_outputs:
             state = self.request_states.get(eco.request_id)
             if state is None:
                 continue
+            if eco.new_token_ids:
+                stats = state.stats
+                if stats.first_token_ts is None:
+                    stats.first_token_ts = now
+                stats.last_token_ts = now
+                stats.num_generation_tokens += len(eco.new_token_ids)
             if eco.new_logprobs is not None or eco.new_prompt_logprobs is not None:
                 state.add_logprobs(eco.new_logprobs or [], eco.new_prompt_logprobs)
             finish_reason, stop_reason = eco.finish_reason, eco.stop_reason

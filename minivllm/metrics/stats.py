@@ -9,6 +9,7 @@ summary, the benchmark, notebook 07); vLLM counts preemptions from the requests'
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass
@@ -63,3 +64,25 @@ class PrefixCacheStats:
     def hit_rate(self) -> float:
         """``hits / queries`` of first admissions, in [0, 1]; 0.0 before any query."""
         return self.hits / self.queries if self.queries else 0.0
+
+
+@dataclass
+class RequestStateStats:
+    """One request's timing, taken by the output processor as its tokens arrive (vLLM ``RequestStateStats``, the
+    fields minivllm has). Times are ``time.monotonic()`` seconds.
+
+    Attributes:
+        arrival_time: when the front end took the request.
+        first_token_ts / last_token_ts: when its first and its latest token came out of a step (``None`` before).
+        num_generation_tokens: tokens generated so far.
+    """
+
+    arrival_time: float
+    first_token_ts: Optional[float] = None
+    last_token_ts: Optional[float] = None
+    num_generation_tokens: int = 0
+
+    @property
+    def first_token_latency(self) -> Optional[float]:
+        """Seconds from arrival to the first token (vLLM's time to first token), or ``None`` before it."""
+        return None if self.first_token_ts is None else self.first_token_ts - self.arrival_time

@@ -28,6 +28,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from minivllm.engine.async_llm import AsyncLLM
+from minivllm.metrics.stats import RequestStateStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -97,7 +98,14 @@ class ServerMetrics:
 
 
 class RequestTimer:
-    """Observes one request's TTFT and inter-token latencies (seconds, ``time.perf_counter``)."""
+    """Observes one request's TTFT and inter-token latencies (seconds, ``time.perf_counter``).
+
+    Time to first token comes from the engine's own ``RequestOutput.metrics`` when the output carries it (vLLM
+    measures it in the engine too), so it is right for a whole response, whose only output is the final one. The
+    inter-token latencies are the gaps between streamed outputs; an output that brings several tokens at once (a
+    whole response) adds the engine's mean gap between its first and last token, once per gap (where minivllm
+    differs from vLLM, which observes each step's gap in the engine).
+    """
 
     def __init__(self, metrics: Optional[ServerMetrics], start: float) -> None:
         self.metrics, self.last, self.start = metrics, start, start
@@ -111,16 +119,22 @@ class RequestTimer:
         self.metrics.prompt_tokens.inc(num_prompt_tokens)
         self.metrics.request_success.labels(*self.metrics.labels, str(finish_reason)).inc()
 
-    def on_tokens(self, now: float, num_new_tokens: int) -> None:
-        """Called for each output; only outputs carrying tokens count. The gap since the previous output is
-        divided among its tokens (one per step in minivllm: no speculative decoding)."""
+    def on_tokens(self, now: float, num_new_tokens: int, stats: Optional[RequestStateStats] = None) -> None:
+        """Called for each output; only outputs carrying tokens count. ``stats``: the output's engine-side
+        ``RequestOutput.metrics``."""
         if self.metrics is None or num_new_tokens == 0:
             return
         self.metrics.generation_tokens.inc(num_new_tokens)
         gap = now - self.last
         if self.first:
-            self.metrics.time_to_first_token.observe(gap)
+            ttft = stats.first_token_latency if stats is not None else None
+            self.metrics.time_to_first_token.observe(gap if ttft is None else ttft)
             self.first = False
+            if num_new_tokens > 1 and stats is not None and stats.first_token_ts is not None \
+                    and stats.last_token_ts is not None:
+                mean_gap = (stats.last_token_ts - stats.first_token_ts) / (num_new_tokens - 1)
+                for _ in range(num_new_tokens - 1):
+                    self.metrics.inter_token_latency.observe(mean_gap)
         else:
             for _ in range(num_new_tokens):
                 self.metrics.inter_token_latency.observe(gap / num_new_tokens)

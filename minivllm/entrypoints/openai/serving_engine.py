@@ -214,17 +214,20 @@ class OpenAIServing:
         except EngineDeadError as e:
             e.__traceback__ = None
             raise RequestError(f"the engine is not running: {e}", None, HTTPStatus.SERVICE_UNAVAILABLE) from None
-        return self._timed(self.engine_client.stream_outputs(queue, request_id))
+        # Known now (the server hands the engine token ids), so an abort before any output still counts them.
+        ids = prompt.get("prompt_token_ids") if isinstance(prompt, dict) else prompt if isinstance(prompt, list) else None
+        return self._timed(self.engine_client.stream_outputs(queue, request_id), len(ids) if ids else 0)
 
-    async def _timed(self, outputs: AsyncGenerator[RequestOutput, None]) -> AsyncGenerator[RequestOutput, None]:
+    async def _timed(self, outputs: AsyncGenerator[RequestOutput, None],
+                     num_prompt_tokens: int = 0) -> AsyncGenerator[RequestOutput, None]:
         timer = RequestTimer(self.metrics, time.perf_counter())
-        num_prompt_tokens, finished = 0, False
+        finished = False
         try:
             async for out in outputs:
                 if out.finished and out.outputs[0].finish_reason == "abort" and engine_dead(self.engine_client):
                     raise EngineDeadRequestError()
-                num_prompt_tokens, finished = len(out.prompt_token_ids), out.finished
-                timer.on_tokens(time.perf_counter(), sum(len(c.token_ids) for c in out.outputs))
+                num_prompt_tokens, finished = len(out.prompt_token_ids) or num_prompt_tokens, out.finished
+                timer.on_tokens(time.perf_counter(), sum(len(c.token_ids) for c in out.outputs), out.metrics)
                 if finished:
                     timer.on_finished(time.perf_counter(), num_prompt_tokens, out.outputs[0].finish_reason)
                 yield out
