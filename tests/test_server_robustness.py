@@ -459,3 +459,40 @@ def test_metrics_of_a_whole_response_come_from_the_engine(tiny):
     assert 0 < ttft < e2e
     assert after["vllm:inter_token_latency_seconds_count"] - before["vllm:inter_token_latency_seconds_count"] == 19
     assert after["vllm:prompt_tokens_total"] - before["vllm:prompt_tokens_total"] == 40
+
+
+def test_duplicate_content_headers_and_an_endless_declared_body_are_refused(tiny):
+    import socket
+
+    _, server = tiny
+    host, port = server.base.split("//")[1].split(":")
+    body = b'{"model": "tiny", "prompt": [1], "max_tokens": 1}'
+    two = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: text/plain\r\nContent-Type: application/json\r\n"
+           b"Content-Length: %d\r\n\r\n" % len(body)) + body
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(two)
+        reply = ""
+        while "}" not in reply:  # the head and the JSON body may come in two reads
+            reply += s.recv(65536).decode("latin-1")
+    assert reply.startswith("HTTP/1.1 400") and "2 content-type headers" in reply
+    # Content-Length far past any body: the server answers 413 after reading a bounded amount, not at the end.
+    endless = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n" \
+              b"Content-Length: 99999999999999999999\r\n\r\n"
+    t0 = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=20) as s:
+        s.sendall(endless)
+        chunk = b"[" * 65536
+        reply = b""
+        try:
+            while time.monotonic() - t0 < 15 and not reply:
+                s.sendall(chunk)
+                s.settimeout(0.01)
+                try:
+                    reply = s.recv(65536)
+                except socket.timeout:
+                    pass
+                s.settimeout(20)
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    assert b"413" in reply.split(b"\r\n", 1)[0], reply[:200]
+    assert time.monotonic() - t0 < 15

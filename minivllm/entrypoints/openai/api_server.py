@@ -108,6 +108,12 @@ class RequestBodyGuard:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        names = [name for name, _ in scope["headers"]]
+        for once in (b"content-type", b"content-length"):
+            if names.count(once) > 1:  # this guard and FastAPI would read different ones (the last, the first)
+                await _error(RequestError(f"the request has {names.count(once)} {once.decode()} headers; send one"))(
+                    scope, receive, send)
+                return
         headers = dict(scope["headers"])
         media_type = headers.get(b"content-type", b"").decode("latin-1").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
@@ -132,6 +138,8 @@ class RequestBodyGuard:
                 chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
+            if size > 2 * self.max_bytes:
+                break  # read no further: a declared length past any real body may never end (the 413 still goes)
         if too_big:
             err = RequestError(f"the request body has {max(size, declared)} bytes, more than the {self.max_bytes} "
                                "that a prompt within max_model_len can need", None, HTTPStatus.REQUEST_ENTITY_TOO_LARGE)
