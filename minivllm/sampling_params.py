@@ -194,9 +194,9 @@ class SamplingParams:
 
     def clone(self) -> "SamplingParams":
         """A copy the engine may fill (``eos_token_id``) without touching the caller's object."""
-        from copy import copy
-
-        c = copy(self)
+        # A new object with the same fields (copy.copy's generic path was most of an n=16384 fan-out).
+        c = object.__new__(type(self))
+        c.__dict__.update(self.__dict__)
         c.stop = list(self.stop)
         c.stop_token_ids = list(self.stop_token_ids)
         if self.logit_bias is not None:

@@ -496,3 +496,35 @@ def test_duplicate_content_headers_and_an_endless_declared_body_are_refused(tiny
             pass
     assert b"413" in reply.split(b"\r\n", 1)[0], reply[:200]
     assert time.monotonic() - t0 < 15
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"prompt": [1], "logit_bias": {"9" * 4301: 1}}, "logit_bias"),  # int() refuses it: was a 500
+    ({"prompt": [1], "use_beam_search": True}, "use_beam_search"),
+    ({"prompt": [1], "cache_salt": "tenant-a"}, "cache_salt"),
+    ({"prompt": [1], "stream_options": {"include_usage": True}}, "stream_options"),  # without stream=True
+    ({"prompt": [1], "stop": ["\ud800"]}, "stop"),
+    ({"messages": [{"role": "user", "content": "hi"}], "prompt_logprobs": 1}, "prompt_logprobs"),
+    ({"messages": [{"role": "user", "content": "hi"}], "echo": True}, "echo"),
+])
+def test_second_review_inputs_get_a_400_naming_the_field(tiny, body, param):
+    _, server = tiny
+    path = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+    resp = httpx.post(server.base + path, content=json.dumps({"model": "tiny", "max_tokens": 1, **body}),
+                      headers={"Content-Type": "application/json"}, timeout=30)
+    assert resp.status_code == 400, resp.text[:300]
+    assert resp.json()["error"]["param"] == param, resp.text[:300]
+
+
+def test_aborting_a_parent_removes_its_children_in_one_pass():
+    # vLLM 0.32's finish_requests removes every aborted request from each queue at once; one call per child made an
+    # n=16384 abort quadratic (12 s of a frozen engine thread in the review).
+    eng = LLMEngine("tiny", num_gpu_blocks=64, block_size=4, max_num_seqs=4)
+    eng.add_request("p", [1, 2, 3], SamplingParams(n=40, temperature=1.0, max_tokens=4))
+    eng.step()  # four children run, 36 wait
+    calls = []
+    remove = eng.scheduler.waiting.remove_requests
+    eng.scheduler.waiting.remove_requests = lambda rs: calls.append(len(list(rs))) or remove(rs)
+    out = eng.abort_request("p")
+    assert calls == [36] and not eng.has_unfinished_requests() and eng.kv_cache_manager.num_free_blocks == 64
+    assert len(out) == 1 and out[0].finished

@@ -74,13 +74,19 @@ class InputProcessor:
         params = request.sampling_params.clone()
         params.n, params.seed = 1, seed
         cache_salt = request.cache_salt
-        if params.prompt_logprobs is not None:  # a salt of its own, as process_inputs gives one
+        own_salt = params.prompt_logprobs is not None
+        if own_salt:  # a salt of its own, as process_inputs gives one
             cache_salt = f"{cache_salt or ''}\x00prompt_logprobs:{uuid.uuid4().hex}"
-        return Request(
+        child = Request(
             child_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_time,
-            priority=request.priority, eos_token_id=self.eos_token_id, block_hasher=self._block_hasher,
-            prompt=request.prompt, cache_salt=cache_salt,
+            priority=request.priority, eos_token_id=self.eos_token_id,
+            block_hasher=self._block_hasher if own_salt else None, prompt=request.prompt, cache_salt=cache_salt,
         )
+        if not own_salt and self._block_hasher is not None:
+            # Same prompt, same salt: the same block hashes; hashing them again per child cost most of a big n.
+            child.block_hashes = list(request.block_hashes)
+            child._block_hasher = self._block_hasher
+        return child
 
     def process_inputs(
         self,

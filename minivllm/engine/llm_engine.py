@@ -166,7 +166,8 @@ class LLMEngine:
         if isinstance(request_ids, (str, int)):
             request_ids = [request_ids]
         request_ids = self.output_processor.expand_request_ids(str(r) for r in request_ids)
-        outputs = self.output_processor.abort_requests(request_ids)
+        # Only final outputs: a parent of n children gets one, with all n completions, not one per child.
+        outputs = [o for o in self.output_processor.abort_requests(request_ids) if o.finished]
         self.engine_core.abort_requests(request_ids)
         return outputs
 

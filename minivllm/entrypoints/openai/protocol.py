@@ -96,11 +96,24 @@ def _check_token_ids(value: Any, name: str) -> Any:
     return value
 
 
+def _encodable(s: str) -> bool:
+    try:
+        s.encode("utf-8")
+    except UnicodeEncodeError:  # a lone surrogate: it can never be matched or tokenized
+        return False
+    return True
+
+
 def _check_strings(value: Any, name: str) -> Any:
     if isinstance(value, list):
         bad = _first_bad(value, lambda x: isinstance(x, str))
         if bad is not None:
             raise ValueError(f"{name}[{bad}] must be a string, got {type(value[bad]).__name__}")
+        bad = _first_bad(value, _encodable)
+        if bad is not None:
+            raise ValueError(f"{name}[{bad}] is not valid Unicode (a lone surrogate)")
+    elif isinstance(value, str) and not _encodable(value):
+        raise ValueError(f"{name} is not valid Unicode (a lone surrogate)")
     return value
 
 
@@ -115,6 +128,13 @@ UNSUPPORTED_FIELDS: Dict[str, Tuple[Any, ...]] = {
     "guided_choice": (None,), "guided_grammar": (None,), "suffix": (None, ""),
     "functions": (None, []), "function_call": (None, "none"), "continue_final_message": (False,),
     "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "use_beam_search": (None, False), "length_penalty": (None, 1, 1.0), "logprob_token_ids": (None, []),
+    "return_tokens_as_token_ids": (None, False), "return_token_offsets": (None, False), "cache_salt": (None,),
+    "truncation_side": (None,), "thinking_token_budget": (None,), "repetition_detection": (None,),
+    "watermarking": (None,), "prompt_embeds": (None,), "stream_interval": (None, 1),
+    "documents": (None, []), "mm_processor_kwargs": (None, {}), "reasoning_effort": (None,),
+    "include_reasoning": (None, True), "parallel_tool_calls": (None, True), "return_prompt_text": (None, False),
+    "chat_prompt_logprobs": (None,), "echo": (False,),
 }
 
 
@@ -157,6 +177,18 @@ class _SamplingRequest(OpenAIBaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    use_beam_search: Any = None
+    length_penalty: Any = None
+    logprob_token_ids: Any = None
+    return_tokens_as_token_ids: Any = None
+    return_token_offsets: Any = None
+    cache_salt: Any = None
+    truncation_side: Any = None
+    thinking_token_budget: Any = None
+    repetition_detection: Any = None
+    watermarking: Any = None
+    prompt_embeds: Any = None
+    stream_interval: Any = None
 
     @field_validator("stop_token_ids", mode="before")
     @classmethod
@@ -168,11 +200,12 @@ class _SamplingRequest(OpenAIBaseModel):
     def _stop(cls, value: Any) -> Any:
         return _check_strings(value, "stop")
 
-    def unsupported_field(self) -> Optional[str]:
-        """The first field set to a value minivllm cannot honour, if any."""
+    def unsupported_field(self) -> Optional[Tuple[str, Any]]:
+        """``(name as the client sent it, value)`` of the first field set to a value minivllm cannot honour."""
+        fields = type(self).model_fields
         for name, neutral in UNSUPPORTED_FIELDS.items():
-            if name in type(self).model_fields and getattr(self, name) not in neutral:
-                return name
+            if name in fields and getattr(self, name) not in neutral:
+                return fields[name].alias or name, getattr(self, name)
         return None
 
     def _max_tokens(self) -> Optional[int]:
@@ -203,12 +236,14 @@ class _SamplingRequest(OpenAIBaseModel):
             if getattr(self, name) is not None:
                 kwargs[name] = getattr(self, name)
         if self.logit_bias:
-            try:
-                kwargs["logit_bias"] = {int(t): b for t, b in self.logit_bias.items()}
-            except ValueError:
-                bad = next(t for t in self.logit_bias if not t.strip().lstrip("+-").isdigit())
-                raise ValueError(f"logit_bias keys must be token ids (integers as strings), got "
-                                 f"{bad[:100]!r}") from None
+            bias: Dict[int, float] = {}
+            for t, b in self.logit_bias.items():
+                # A token id has at most 19 digits; longer keys (int() refuses past 4,300) are not token ids.
+                digits = t.strip().lstrip("+-")
+                if not digits.isdigit() or len(digits) > 19:
+                    raise ValueError(f"logit_bias keys must be token ids (integers as strings), got {t[:100]!r}")
+                bias[int(t)] = b
+            kwargs["logit_bias"] = bias
         return SamplingParams(**kwargs)
 
 
@@ -282,6 +317,15 @@ class ChatCompletionRequest(_SamplingRequest):
     continue_final_message: Any = False
     chat_template: Optional[str] = None
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    echo: Any = False  # refused unless neutral, as the rest (UNSUPPORTED_FIELDS)
+    documents: Any = None
+    mm_processor_kwargs: Any = None
+    reasoning_effort: Any = None
+    include_reasoning: Any = None
+    parallel_tool_calls: Any = None
+    return_prompt_text: Any = None
+    # vLLM's chat takes prompt_logprobs too; minivllm's chat endpoint does not serve it (its completions do)
+    chat_prompt_logprobs: Any = Field(default=None, alias="prompt_logprobs")
     logprobs: Optional[bool] = False
     top_logprobs: Optional[int] = 0
 

@@ -187,10 +187,13 @@ class OpenAIServing:
         """``request.to_sampling_params()`` with its ``ValueError`` turned into a 400 naming the parameter."""
         unsupported = request.unsupported_field()
         if unsupported is not None:
-            raise RequestError(f"{unsupported} is not supported by minivllm's server (its engine has no "
-                               f"structured outputs, tools, bad words, allowed-token masks or prompt truncation, "
-                               f"and it serves one scheduling policy and one chat template); got {unsupported}="
-                               f"{truncate(repr(getattr(request, unsupported)), 200)}", unsupported)
+            name, value = unsupported
+            raise RequestError(f"{name} is not supported by minivllm's server (its engine has no structured "
+                               f"outputs, tools, bad words, allowed-token masks, beam search or prompt truncation, "
+                               f"and it serves one scheduling policy and one chat template); got {name}="
+                               f"{truncate(repr(value), 200)}", name)
+        if request.stream_options is not None and not request.stream:  # vLLM's check, its words
+            raise RequestError("Stream options can only be defined when `stream=True`.", "stream_options")
         try:
             return request.to_sampling_params()
         except ValueError as e:
