@@ -47,6 +47,10 @@ class SamplingParams:
             ``logprobs_mode="raw_logprobs"``). ``None``: none; ``-1``: the whole vocabulary; ``True`` means 1.
         prompt_logprobs: The same for every prompt position (the first entry is ``None``), returned with the
             request's first output.
+        skip_reading_prefix_cache: Do not read the prefix cache for this request (its blocks are still cached
+            for others). ``None`` means ``prompt_logprobs is not None``, as in vLLM 0.32's ``__post_init__``
+            (https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/sampling_params.py#L622): a cache hit would
+            skip prompt positions whose logprobs are asked for.
         temperature: Softmax temperature. ``0`` means greedy (argmax). Must be ``>= 0``.
         top_p: Nucleus sampling: keep the smallest set of tokens whose probability sums to at least ``top_p``.
             Must be in ``(0, 1]``; ``1`` disables it.
@@ -98,6 +102,7 @@ class SamplingParams:
     logit_bias: Optional[Dict[int, float]] = None
     logprobs: Optional[int] = None
     prompt_logprobs: Optional[int] = None
+    skip_reading_prefix_cache: Optional[bool] = None
     # Filled by the engine: the tokenizer's EOS id (None for models without one).
     eos_token_id: Optional[int] = field(default=None, repr=False)
 
@@ -112,6 +117,8 @@ class SamplingParams:
             self.logprobs = 1
         if self.prompt_logprobs is True:
             self.prompt_logprobs = 1
+        if self.skip_reading_prefix_cache is None:
+            self.skip_reading_prefix_cache = self.prompt_logprobs is not None
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict):
                 raise ValueError(f"logit_bias must be a dict of token id -> bias, got {self.logit_bias!r}")

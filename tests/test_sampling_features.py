@@ -187,9 +187,43 @@ def test_prompt_logprobs_skip_the_prefix_cache_as_in_vllm():
     b = final(eng, "b", PROMPT, sp)  # the same 20 tokens: one full block would be a cache hit
     assert b.num_cached_tokens == 0 and all(d is not None for d in b.prompt_logprobs[1:])
     assert [list(d) for d in a.prompt_logprobs[1:]] == [list(d) for d in b.prompt_logprobs[1:]]
+    # vLLM skips only the reading: the blocks it computed are cached for others (one full block of 16 here).
     c = final(eng, "c", PROMPT, SamplingParams(temperature=0, max_tokens=2))
-    d = final(eng, "d", PROMPT, SamplingParams(temperature=0, max_tokens=2))
-    assert c.num_cached_tokens == 0 and d.num_cached_tokens == 16  # plain requests still share the cache
+    assert c.num_cached_tokens == 16
+    e = final(eng, "e", PROMPT, SamplingParams(temperature=0, max_tokens=2, skip_reading_prefix_cache=True))
+    assert e.num_cached_tokens == 0 and e.prompt_logprobs is None  # the flag alone, as vLLM's SamplingParams
+    stats = eng.engine_core.scheduler.kv_cache_manager.prefix_cache_stats
+    assert stats.requests == 1 and stats.hits == 16  # only c's lookup is counted (vLLM record_prefix_cache_stats)
+
+
+def _resume_hits(prompt_logprobs):
+    """Run two 30-token prompts that cannot both grow to 70 tokens in 8 blocks of 16 (one is preempted and resumes);
+    return the prefix-cache hit, in tokens, of every admission of a preempted request, and the outputs."""
+    eng = LLMEngine("tiny", block_size=16, num_gpu_blocks=8, max_num_batched_tokens=64, max_model_len=128,
+                    enable_prefix_caching=True)
+    kvm = eng.engine_core.scheduler.kv_cache_manager
+    real, hits = kvm.get_computed_blocks, []
+
+    def spy(request):
+        blocks, n = real(request)
+        if request.num_preemptions > 0:
+            hits.append(n)
+        return blocks, n
+
+    kvm.get_computed_blocks = spy
+    sp = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, prompt_logprobs=prompt_logprobs)
+    eng.add_request("x", list(range(3, 33)), sp)
+    eng.add_request("y", list(range(40, 70)), sp)
+    outs = eng.run_to_completion(max_steps=500)
+    return hits, outs
+
+
+def test_prompt_logprobs_request_reads_no_cache_when_it_resumes_after_preemption():
+    plain_hits, _ = _resume_hits(None)
+    assert plain_hits and max(plain_hits) >= 16  # the control: a resumed request hits its own cached blocks
+    hits, outs = _resume_hits(0)
+    assert hits and all(n == 0 for n in hits)  # vLLM 0.32: skip_reading_prefix_cache holds on resumption too
+    assert all(d is not None for o in outs.values() for d in o.prompt_logprobs[1:])
 
 
 def test_prompt_logprobs_equal_log_softmax_of_a_full_forward():

@@ -53,8 +53,9 @@ class KVCacheManager:
         Returns:
             ``(blocks, num_computed_tokens)`` with ``num_computed_tokens == len(blocks) * block_size``. Nothing
             is modified; the caller passes the blocks to ``allocate_slots``, which takes the references.
+            ``([], 0)`` when ``prefix_cache_lookup_enabled`` is false for the request.
         """
-        if not self.enable_caching:
+        if not self.prefix_cache_lookup_enabled(request):
             return [], 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: List[KVCacheBlock] = []
@@ -65,9 +66,15 @@ class KVCacheManager:
             hits.append(b)
         return hits, len(hits) * self.block_size
 
+    def prefix_cache_lookup_enabled(self, request: "Request") -> bool:
+        """Whether this request may read the prefix cache (vLLM 0.32 ``KVCacheManager.prefix_cache_lookup_enabled``):
+        caching on and the request not marked ``skip_reading_prefix_cache`` (``prompt_logprobs`` requests are)."""
+        return self.enable_caching and not request.sampling_params.skip_reading_prefix_cache
+
     def record_prefix_cache_query(self, request: "Request", num_hit_tokens: int) -> None:
-        """Count one admission's lookup in ``prefix_cache_stats`` (queries and hits in tokens)."""
-        if not self.enable_caching:
+        """Count one admission's lookup in ``prefix_cache_stats`` (queries and hits in tokens); a request that
+        skipped the lookup is not counted (vLLM ``record_prefix_cache_stats``)."""
+        if not self.prefix_cache_lookup_enabled(request):
             return
         s = self.prefix_cache_stats
         if request.num_preemptions > 0:

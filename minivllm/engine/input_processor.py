@@ -9,7 +9,6 @@ one process and builds the ``Request`` here.
 from __future__ import annotations
 
 import numbers
-import uuid
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
@@ -73,16 +72,12 @@ class InputProcessor:
         parent once in its front end, then fans out)."""
         params = request.sampling_params.clone()
         params.n, params.seed = 1, seed
-        cache_salt = request.cache_salt
-        own_salt = params.prompt_logprobs is not None
-        if own_salt:  # a salt of its own, as process_inputs gives one
-            cache_salt = f"{cache_salt or ''}\x00prompt_logprobs:{uuid.uuid4().hex}"
         child = Request(
             child_id, list(request.prompt_token_ids), params, arrival_time=request.arrival_time,
-            priority=request.priority, eos_token_id=self.eos_token_id,
-            block_hasher=self._block_hasher if own_salt else None, prompt=request.prompt, cache_salt=cache_salt,
+            priority=request.priority, eos_token_id=self.eos_token_id, prompt=request.prompt,
+            cache_salt=request.cache_salt,
         )
-        if not own_salt and self._block_hasher is not None:
+        if self._block_hasher is not None:
             # Same prompt, same salt: the same block hashes; hashing them again per child cost most of a big n.
             child.block_hashes = list(request.block_hashes)
             child._block_hasher = self._block_hasher
@@ -154,11 +149,6 @@ class InputProcessor:
 
         params = params.clone()
         params.eos_token_id = self.eos_token_id
-        if params.prompt_logprobs is not None:
-            # vLLM does not read the prefix cache for such a request (SamplingParams.skip_reading_prefix_cache):
-            # every prompt position must run through the model. A salt of its own gives its blocks hashes no other
-            # request has, so nothing is read from the cache (its own blocks still serve its resumption).
-            cache_salt = f"{cache_salt or ''}\x00prompt_logprobs:{uuid.uuid4().hex}"
         if params.max_tokens is None:
             params.max_tokens = self.max_model_len - len(ids)
         return Request(

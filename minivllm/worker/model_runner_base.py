@@ -370,10 +370,10 @@ class ModelRunnerBase:
         returned, keyed by request id, by the step whose chunk reaches the end of the prompt. Computed from the
         raw logits (``log_softmax``), as vLLM's sampled logprobs are.
 
-        vLLM does not read the prefix cache for such a request (``SamplingParams.skip_reading_prefix_cache``);
-        minivllm's ``InputProcessor`` gives it a cache salt of its own to the same effect. Positions a cache hit
-        skipped anyway (a Model Runner V2 request re-prefilled after preemption) would get ``None``; the output
-        side keeps the first complete list it got.
+        Such a request never reads the prefix cache (``SamplingParams.skip_reading_prefix_cache``, as in vLLM
+        0.32), not even when it resumes after preemption, so every prompt position runs through the model; a
+        Model Runner V2 request re-prefilled after preemption computes the list again, and the output side keeps
+        the first complete list it got.
         """
         out: Dict[str, List[Optional[LogprobsEntry]]] = {}
         qsl = inputs.common_attn_metadata.query_start_loc_cpu

@@ -256,6 +256,8 @@ class Scheduler:
                         ext_tokens, load_kv_async = self.connector.get_num_new_matched_tokens(
                             request, num_new_local_computed_tokens
                         )
+                        if request.sampling_params.skip_reading_prefix_cache:
+                            ext_tokens, load_kv_async = 0, False  # nor the connector's cache (vLLM 0.32, L983)
                         if ext_tokens is None:  # the connector cannot tell yet: ask again next step
                             step_skipped_waiting.append(self.waiting.pop_request())
                             continue
