@@ -1,11 +1,15 @@
 """Lecture slides from the notebooks: the slide-type rule, and the offline reveal.js export.
 
-The notebooks a lecture shows (``SLIDE_NOTEBOOKS``) carry ``metadata.slideshow.slide_type`` on every cell, as
+Every course notebook (``SLIDE_NOTEBOOKS``, 00-12, grouped as the guide's lectures in ``LECTURES``) carries
+``metadata.slideshow.slide_type`` on every cell, as
 JupyterLab's property inspector, RISE (``jupyterlab-rise``) and nbconvert's ``SlidesExporter`` read it. The
 metadata is not written by hand: ``slide_types`` derives it from the cells, so it can be re-applied after anyone
 edits a notebook (``python -m minivllm.course.slides apply``), and ``tests/test_slides.py`` checks that the
 stored metadata is what the rule gives. The rule, in order, for each cell:
 
+0. The Chinese sections (a heading that opens with ``中文``: 中文导读, 中文小结) go to the speaker notes, not on the
+   screen: the decks are the English lecture, and a lecturer teaching in Chinese finds them in the speaker view
+   (markdown cells ``notes``, code cells ``skip``).
 1. A markdown cell opening with ``# `` or ``## `` opens a slide; one opening with ``### `` or deeper, a subslide.
 2. Skipped (they stay in the notebook, not on the screen): the first code cell (imports and set-up), code cells
    without outputs longer than ``MAX_SILENT_CODE_LINES`` (helper definitions), code cells whose text output is
@@ -14,8 +18,10 @@ stored metadata is what the rule gives. The rule, in order, for each cell:
 3. A markdown cell opening with ``**Under other configurations.**`` (the FAQ's per-configuration details) goes to
    the speaker notes (``notes``).
 4. Any other cell continues the current slide, unless its estimated height (``cell_height``) would take the slide
-   past ``MAX_SLIDE_LINES``: then it opens a subslide (reveal.js slides have a fixed size; the export also lets a
-   slide that is still too long scroll).
+   past the deck's line limit: then it opens a subslide. The limit is one screen (``SCREEN_LINES``) where the deck
+   fits its share of its lecture's ``SLIDES_PER_LECTURE`` slides (``slide_budget``); otherwise the smallest of
+   ``SCREEN_STEPS`` screens that makes it fit (headings alone, when none does), and a slide taller than the screen
+   scrolls (the export's template). A 90-minute lecture is then 20-25 slides, not one per screenful of notebook.
 
 The export (``export``) runs nbconvert's ``SlidesExporter`` with the template in ``slides_template/``, which
 differs from nbconvert's ``reveal`` template only in loading nothing from the network: reveal.js, RequireJS and
@@ -45,13 +51,25 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "slides_template"
 TEMPLATE_NAME = "minivllm_reveal"
 DEFAULT_OUT = ROOT / "build" / "slides"
 
-#: The notebooks a lecture shows, as slides.
-SLIDE_NOTEBOOKS = (
-    "04_continuous_batching", "05_chunked_prefill", "06_preemption", "08_kv_connector", "10_faq",
+#: The guide's seven 90-minute lectures (notebooks/LECTURERS_GUIDE.md, "A course of seven 90-minute lectures"),
+#: each the notebooks it shows; ``tests/test_slides.py`` checks this against the guide.
+LECTURES = (
+    ("00_tour", "01_llama_forward_and_generation"),
+    ("02_kv_cache", "03_paged_kv_blocks"),
+    ("04_continuous_batching", "05_chunked_prefill"),
+    ("06_preemption", "07_prefix_caching"),
+    ("08_kv_connector",),
+    ("09_performance", "10_faq"),
+    ("11_serving", "12_tensor_parallel"),
 )
+#: Every notebook is a deck.
+SLIDE_NOTEBOOKS = tuple(name for lecture in LECTURES for name in lecture)
 SLIDE_TYPES = ("slide", "subslide", "fragment", "-", "skip", "notes")
 
-MAX_SLIDE_LINES = 26        # estimated lines that fit on one 1280x800 slide at the export's font size
+SLIDES_PER_LECTURE = 24     # the issue's 20-25 slides for a 90-minute lecture, shared by the lecture's decks
+SCREEN_LINES = 26           # estimated lines that fit on one 1280x800 slide at the export's font size
+SCREEN_STEPS = (1, 1.5, 2, 3, 4, 6)  # line limits tried, in screens, before a deck is cut at its headings only
+MAX_SLIDE_LINES = SCREEN_LINES  # the limit of ``slide_types`` without a budget
 MAX_SILENT_CODE_LINES = 25  # longer code cells without outputs are helper definitions: skipped
 MAX_OUTPUT_LINES = 60       # longer text outputs cannot be read on a slide: skipped
 IMAGE_LINES = 16            # an image, a widget or an HTML table counts as this many lines
@@ -120,24 +138,30 @@ def _skipped(cell: dict, first_code: bool) -> bool:
     return _output_text_lines(cell) > MAX_OUTPUT_LINES
 
 
-def slide_types(cells: Sequence[dict]) -> List[str]:
-    """The slide type of every cell of a notebook, by the rule in this module's docstring.
+def _chinese_section(src: str) -> Optional[bool]:
+    """For a markdown cell: True if it opens a Chinese section (``## 中文导读``), False if it opens another section,
+    None if it opens none."""
+    m = re.match(r"#{1,6} (.*)", src)
+    if not m:
+        return None
+    return m.group(1).startswith("中文")
 
-    Args:
-        cells: the notebook's cells (nbformat 4 dicts: ``cell_type``, ``source``, ``outputs``).
 
-    Returns:
-        One of ``"slide"``, ``"subslide"``, ``"-"``, ``"skip"``, ``"notes"`` per cell, in order.
-    """
+def _types_with_limit(cells: Sequence[dict], limit: Optional[int]) -> List[str]:
     types: List[str] = []
     used = 0  # estimated lines on the current (sub)slide
     seen_code = False
+    chinese = False
     for cell in cells:
         kind = cell["cell_type"]
         src = _source(cell).lstrip()
         first_code = kind == "code" and not seen_code
         seen_code = seen_code or kind == "code"
-        if kind == "markdown" and re.match(r"#{1,2} ", src):
+        if kind == "markdown" and _chinese_section(src) is not None:
+            chinese = bool(_chinese_section(src))
+        if chinese:
+            t = "notes" if kind == "markdown" else "skip"
+        elif kind == "markdown" and re.match(r"#{1,2} ", src):
             t, used = "slide", cell_height(cell)
         elif kind == "markdown" and re.match(r"#{3,6} ", src):
             t, used = "subslide", cell_height(cell)
@@ -147,12 +171,61 @@ def slide_types(cells: Sequence[dict]) -> List[str]:
             t = "notes"
         else:
             h = cell_height(cell)
-            if used and used + h > MAX_SLIDE_LINES:
+            if limit is not None and used and used + h > limit:
                 t, used = "subslide", h
             else:
                 t, used = "-", used + h
         types.append(t)
     return types
+
+
+def count_slides(types: Sequence[Optional[str]]) -> int:
+    """The screens of a deck: its slides and subslides (what reveal.js's slide number counts)."""
+    return sum(t in ("slide", "subslide") for t in types)
+
+
+def slide_budget(name: str) -> int:
+    """The most slides the deck of notebook ``name`` (a stem in ``SLIDE_NOTEBOOKS``) should have: its share of its
+    lecture's ``SLIDES_PER_LECTURE``. KeyError for a notebook of no lecture."""
+    for lecture in LECTURES:
+        if name in lecture:
+            return SLIDES_PER_LECTURE // len(lecture)
+    raise KeyError(f"notebook {name!r} is in no lecture of LECTURES")
+
+
+def line_limit(cells: Sequence[dict], max_slides: int) -> Optional[int]:
+    """The overflow limit, in estimated lines, that cuts ``cells`` into at most ``max_slides`` slides: the first of
+    ``SCREEN_STEPS`` screens that does, or None (cut at the headings only) when none does."""
+    for screens in SCREEN_STEPS:
+        limit = int(screens * SCREEN_LINES)
+        if count_slides(_types_with_limit(cells, limit)) <= max_slides:
+            return limit
+    return None
+
+
+def slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List[str]:
+    """The slide type of every cell of a notebook, by the rule in this module's docstring.
+
+    Args:
+        cells: the notebook's cells (nbformat 4 dicts: ``cell_type``, ``source``, ``outputs``).
+        max_slides: the deck's budget (``slide_budget``); None: overflow at one screen, ``MAX_SLIDE_LINES``.
+
+    Returns:
+        One of ``"slide"``, ``"subslide"``, ``"-"``, ``"skip"``, ``"notes"`` per cell, in order.
+
+    Raises:
+        ValueError: ``max_slides`` below 1.
+    """
+    if max_slides is None:
+        return _types_with_limit(cells, MAX_SLIDE_LINES)
+    if max_slides < 1:
+        raise ValueError(f"max_slides must be >= 1, got {max_slides}")
+    return _types_with_limit(cells, line_limit(cells, max_slides))
+
+
+def notebook_slide_types(name: str, cells: Sequence[dict]) -> List[str]:
+    """``slide_types`` of notebook ``name`` within its lecture's budget (``slide_budget``)."""
+    return slide_types(cells, slide_budget(name))
 
 
 def source_checkout_dir(path: Path, what: str) -> Path:
@@ -187,14 +260,15 @@ def stored_slide_types(cells: Sequence[dict]) -> List[Optional[str]]:
     return [c.get("metadata", {}).get("slideshow", {}).get("slide_type") for c in cells]
 
 
-def apply(path: Path) -> bool:
-    """Write the rule's slide types into the notebook at ``path``; touches nothing else. Returns whether the file
+def apply(path: Path, max_slides: Optional[int] = None) -> bool:
+    """Write the rule's slide types (``slide_types`` with the budget ``max_slides``; the command passes each
+    notebook's ``slide_budget``) into the notebook at ``path``; touches nothing else. Returns whether the file
     changed."""
     import nbformat
 
     text = path.read_text(encoding="utf-8")
     nb = nbformat.reads(text, as_version=4)
-    for cell, t in zip(nb.cells, slide_types(nb.cells)):
+    for cell, t in zip(nb.cells, slide_types(nb.cells, max_slides)):
         cell.metadata["slideshow"] = {"slide_type": t}
     new = nbformat.writes(nb) + "\n"
     if new != text:
@@ -308,7 +382,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "apply":
         for path in notebook_paths():
-            print(f"[slides] {path.name}: {'updated' if apply(path) else 'unchanged'}")
+            changed = apply(path, slide_budget(path.stem))
+            print(f"[slides] {path.name}: {'updated' if changed else 'unchanged'}")
         return 0
     if a.cmd == "check":
         import json
@@ -316,7 +391,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = []
         for path in notebook_paths():
             cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-            if stored_slide_types(cells) != slide_types(cells):
+            if stored_slide_types(cells) != notebook_slide_types(path.stem, cells):
                 bad.append(path.name)
         for name in bad:
             print(f"[slides] {name}: slide metadata differs from the rule; run python -m minivllm.course.slides apply")
