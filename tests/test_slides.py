@@ -160,3 +160,41 @@ def test_rise_extension_is_enabled_in_jupyterlab():
                        timeout=120)
     listing = re.sub(r"\x1b\[[0-9;]*m", "", r.stdout + r.stderr)
     assert re.search(r"jupyterlab-rise v[\d.]+ enabled\s+OK", listing), listing
+
+
+def test_run_sheet_segments_and_notes_cover_every_segment():
+    """Every segment of every run sheet becomes speaker notes in its lecture's decks, with its minutes and clock
+    time; the segments add up to the lecture (test_lectures checks the minutes against the guide)."""
+    notes = slides.lecture_notes()
+    for i, lecture in enumerate(slides.LECTURES, start=1):
+        text = (slides.LECTURES_DIR / f"lecture_{i:02d}.md").read_text(encoding="utf-8")
+        segments = slides.run_sheet_segments(text)
+        assert [g["number"] for g in segments] == list(range(1, len(segments) + 1))
+        assert segments[-1]["start"] + segments[-1]["minutes"] == 90
+        texts = "\n".join(t for name in lecture for _, t in notes[name])
+        for g in segments:
+            assert f"**Segment {g['number']} of {len(segments)} · {g['minutes']} min" in texts, (i, g["number"])
+            assert g["body"].splitlines()[0].startswith(f"**{g['number']}. "), (i, g["number"])
+    # lecture 3, segment 7 (Demo 3): under 05's "2. What the scheduler does", from minute 45 to minute 60
+    anchored = dict((a, t) for a, t in notes["05_chunked_prefill"] if a)
+    demo3 = anchored["2. What the scheduler does: 64, 64, 32"]
+    assert demo3.startswith("**Segment 7 of 11 · 15 min · 0:45-1:00**") and "[50, 50, 50, 10]" in demo3
+    # a recap of an earlier lecture's notebook goes to the title of the lecture's first deck
+    assert any(a is None and "Segment 1 of 10" in t for a, t in notes["06_preemption"])
+
+
+def test_add_notes_places_notes_and_continues_them_on_later_screens():
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.from_dict(dict(c, metadata={"slideshow": {"slide_type": t}})) for c, t in [
+        (md("# T"), "slide"), (md("## 1. One"), "slide"), (md("text"), "-"), (md("more"), "subslide"),
+        (md("## 2. Two"), "slide")]]
+    slides.add_notes(nb, [(None, "overview"), ("1. One", "**Segment 1 of 2 · 5 min · 0:00-0:05** x")])
+    kinds = [(c.metadata["slideshow"]["slide_type"], c.source[:24]) for c in nb.cells]
+    assert kinds == [("slide", "# T"), ("notes", "overview"), ("slide", "## 1. One"),
+                     ("notes", "**Segment 1 of 2 · 5 min"), ("-", "text"), ("subslide", "more"),
+                     ("notes", "*(continued from an earl"), ("slide", "## 2. Two"),
+                     ("notes", "*(continued from an earl")]
+    with pytest.raises(KeyError, match="renamed|no cell"):
+        slides.add_notes(nb, [("9. Gone", "x")], "nb")

@@ -276,6 +276,163 @@ def apply(path: Path, max_slides: Optional[int] = None) -> bool:
     return new != text
 
 
+# ---- speaker notes from the run sheets --------------------------------------------------------------------------
+LECTURES_DIR = NOTEBOOKS_DIR / "lectures"
+_CITE = re.compile(r"«(\d\d) · ([^»]+)»")
+_SEGMENT_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|([^|\n]*)\|([^\n]*)\|\s*$", re.M)
+_SEGMENT_HEAD = re.compile(r"^## (\d+)\. (.*)$", re.M)
+_MD_HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+_FAQ_TAG = re.compile(r"^# (\[Q\d-[a-z]\])", re.M)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_sheet_segments(text: str) -> List[dict]:
+    """The segments of a run sheet (``notebooks/lectures/lecture_NN.md``): for each row of its ``## Segments``
+    table, ``{"number", "minutes", "start" (minutes since the lecture began), "title", "cited" [(notebook number,
+    heading)] (the on-screen column's «NN · heading» citations, in order), "body" (the markdown of the segment's
+    ``## N. ...`` section, heading line included)}``.
+
+    Raises:
+        ValueError: no segment table, or a table row without its ``## N.`` section.
+    """
+    if "## Segments" not in text:
+        raise ValueError("run sheet: no '## Segments' table")
+    table = text.split("## Segments", 1)[1].split("\n## ", 1)[0]
+    heads = list(_SEGMENT_HEAD.finditer(text))
+    bodies = {}
+    for i, m in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        # the section's own "## N. title" line becomes bold text: a heading inside the notes would read, to a
+        # browser and to a test, as a heading of the slide
+        body = text[m.start():end].strip()
+        bodies[int(m.group(1))] = "**" + body.split("\n", 1)[0][3:].strip() + "**" + body[len(body.split("\n", 1)[0]):]
+    segments, start = [], 0
+    for m in _SEGMENT_ROW.finditer(table):
+        number, minutes = int(m.group(1)), int(m.group(2))
+        if number not in bodies:
+            raise ValueError(f"run sheet: segment {number} of the table has no '## {number}.' section")
+        cited = [(nb, _norm(h)) for nb, h in _CITE.findall(m.group(4))]
+        segments.append({"number": number, "minutes": minutes, "start": start, "title": m.group(3).strip(),
+                         "cited": cited, "body": bodies[number]})
+        start += minutes
+    return segments
+
+
+def _preamble(text: str) -> str:
+    """The run sheet's text before ``## Segments`` without its title line: notebooks, length, goal, before class."""
+    head = text.split("## Segments", 1)[0]
+    return "\n".join(line for line in head.splitlines() if not line.startswith("# ")).strip()
+
+
+def _clock(minutes: int) -> str:
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
+    """Speaker notes for the decks, from the lectures' run sheets: ``notebook stem -> [(anchor, markdown)]``.
+
+    An anchor is a heading of the notebook (the text after the ``#``s) or a FAQ tag (``[Q3-a]``), or ``None`` for
+    the title slide. Each segment's section (minutes, screen, board, demo and fallback, questions with expected
+    answers, misconceptions) goes under the first heading its table row cites in one of the lecture's own
+    notebooks, headed with its place in the lecture (segment k of n, minutes, clock time); the row's other cited
+    headings get it again, marked as continued. The title slide of each of the lecture's decks gets the run
+    sheet's preamble (goal, before class) and the segment table, and the first deck's title also the segments that
+    cite none of the lecture's notebooks (a recap of an earlier lecture, a title-slide opening).
+
+    Raises:
+        FileNotFoundError: a lecture's run sheet is missing.
+    """
+    notes: Dict[str, List[tuple]] = {name: [] for lecture in LECTURES for name in lecture}
+    for i, lecture in enumerate(LECTURES, start=1):
+        path = Path(lectures_dir) / f"lecture_{i:02d}.md"
+        if not path.is_file():
+            raise FileNotFoundError(f"run sheet of lecture {i} not found at {path}")
+        text = path.read_text(encoding="utf-8")
+        title = text.splitlines()[0].lstrip("# ").strip()
+        segments = run_sheet_segments(text)
+        own = {name[:2]: name for name in lecture}
+        overview = "\n".join(
+            [f"**Run sheet: {title}** ({path.name})", "", _preamble(text), "", "| # | min | at | segment |",
+             "|---|---|---|---|"]
+            + [f"| {g['number']} | {g['minutes']} | {_clock(g['start'])} | {g['title']} |" for g in segments])
+        for name in lecture:
+            notes[name].append((None, overview))
+        for g in segments:
+            where = f"**Segment {g['number']} of {len(segments)} · {g['minutes']} min · " \
+                    f"{_clock(g['start'])}-{_clock(g['start'] + g['minutes'])}** ({title})"
+            mine = [(nb, h) for nb, h in g["cited"] if nb in own]
+            if not mine:
+                notes[lecture[0]].append((None, f"{where}\n\n{g['body']}"))
+                continue
+            first = mine[0]
+            notes[own[first[0]]].append((first[1], f"{where}\n\n{g['body']}"))
+            for nb, h in dict.fromkeys(mine[1:]):
+                if (nb, h) != first:
+                    notes[own[nb]].append((h, f"{where}, continued\n\n{g['body']}"))
+    return notes
+
+
+def _anchor_index(cells: Sequence[dict], anchor: str) -> Optional[int]:
+    for i, cell in enumerate(cells):
+        src = _source(cell)
+        if cell["cell_type"] == "markdown" and any(_norm(h) == anchor for h in _MD_HEADING.findall(src)):
+            return i
+        if cell["cell_type"] == "code" and anchor in _FAQ_TAG.findall(src):
+            return i
+    return None
+
+
+def add_notes(nb, notes: Sequence[tuple], name: str = "notebook") -> None:
+    """Insert each ``(anchor, markdown)`` of ``notes`` (``lecture_notes``) into the notebook node ``nb`` (in memory;
+    the file is not touched) as a markdown cell of slide type ``notes`` right after the cell that holds the anchor
+    (``None``: after the title cell), so that nbconvert puts it in that slide's ``<aside class="notes">``. A screen
+    with no run-sheet notes of its own after the first segment's (a subslide, an uncited section) gets the notes
+    of the segment before it, marked as continued: the speaker view shows notes for the current screen only, and
+    the lecturer on the demo's third screen still needs its questions.
+
+    Raises:
+        KeyError: an anchor that no cell of the notebook holds (a run sheet citing a heading that was renamed).
+    """
+    import nbformat
+
+    inserts: Dict[int, List[str]] = {}
+    for anchor, text in notes:
+        i = 0 if anchor is None else _anchor_index(nb.cells, anchor)
+        if i is None:
+            raise KeyError(f"{name}: the run sheet cites {anchor!r}, which no cell of the notebook holds")
+        inserts.setdefault(i, []).append(text)
+
+    def notes_cell(text: str, segment: bool):
+        cell = nbformat.v4.new_markdown_cell(text)
+        cell.metadata["slideshow"] = {"slide_type": "notes"}
+        cell.metadata["minivllm_segment_notes"] = segment
+        return cell
+
+    for i in sorted(inserts, reverse=True):
+        texts = inserts[i]
+        nb.cells.insert(i + 1, notes_cell("\n\n---\n\n".join(texts), any(t.startswith("**Segment") for t in texts)))
+    # screens: runs of cells from a slide/subslide cell to the next
+    starts = [i for i, c in enumerate(nb.cells)
+              if c.metadata.get("slideshow", {}).get("slide_type") in ("slide", "subslide")]
+    carry: Optional[str] = None
+    filled = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(nb.cells)
+        own = [c for c in nb.cells[start:end] if c.metadata.get("minivllm_segment_notes")]
+        if own:
+            carry = own[-1].source.split("\n\n---\n\n")[-1]
+        elif carry is not None:
+            filled.append(start)
+    for start in reversed(filled):
+        # the carry of the screen at ``start``: the last segment notes before it
+        before = [c for c in nb.cells[:start] if c.metadata.get("minivllm_segment_notes")]
+        text = before[-1].source.split("\n\n---\n\n")[-1]
+        nb.cells.insert(start + 1, notes_cell(f"*(continued from an earlier slide)* {text}", False))
+
+
 # ---- export ---------------------------------------------------------------------------------------------------
 _REMOTE = re.compile(r"""<(?:script|link)\b[^>]*\b(?:src|href)\s*=\s*["']?(?:https?:)?//""", re.I)
 _REMOTE_IMPORT = re.compile(r"""\bimport\b[^;'"]*["'](?:https?:)?//""")
@@ -332,6 +489,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     from nbconvert import SlidesExporter
     from traitlets.config import Config
 
+    from minivllm.course.viz.frame import FRAME_CSS_SLIDES
+
     paths = notebook_paths(names)
     images = source_checkout_dir(ROOT / "images", "the course figures (images/)")
     out = Path(out)
@@ -349,12 +508,16 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     c.SlidesExporter.reveal_width = "1280"
     c.SlidesExporter.reveal_height = "800"
     exporter = SlidesExporter(config=c)
+    notes = lecture_notes()
     written: Dict[str, Path] = {}
     for p in paths:
         nb = nbformat.read(p, as_version=4)
+        add_notes(nb, notes.get(p.stem, []), p.stem)
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
         # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
         body = body.replace('src="../images/', 'src="images/')
+        # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
+        body = body.replace("</head>", f"<style>{FRAME_CSS_SLIDES}</style>\n</head>", 1)
         remote = check_offline(body)
         if remote:
             raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
