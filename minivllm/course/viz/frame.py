@@ -70,7 +70,7 @@ FRAME_CSS_SLIDES = """
 """
 """The slides layout of a frame and of the animator's controls: the style sheet the exported decks add
 (``minivllm.course.slides.export``), scoped to reveal.js's ``.reveal`` so that it only applies there. A frame at
-``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 17-26 px,
+``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-26 px,
 a KV block 44x34 px, the budget bar 30 px high and the step slider 900 px wide (checked at 1280x800 by
 ``tests/test_slides_browser.py``)."""
 
