@@ -64,9 +64,10 @@ def test_every_deck_is_offline(exported):
         page = f.read_text(encoding="utf-8")
         assert slides.check_offline(page) == [], stem
         assert 'src="lib/require.js"' in page and "lib/reveal.js/dist/reveal.css" in page
-        # the slide metadata reached the exporter: as many screens as the stored metadata has slides
+        # the rule reached the exporter: as many screens as the rule's parts have slides
         cells = json.loads((slides.NOTEBOOKS_DIR / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
-        assert screens(page) == slides.count_slides(slides.stored_slide_types(cells)), stem
+        types = [t for _, _, t in slides.part_slide_types(cells, slides.slide_budget(stem))]
+        assert screens(page) == slides.count_slides(types), stem
         assert ".reveal .mv-frame {font-size: 21px" in page, stem  # the animator's slides layout
     assert (out / "@jupyter-widgets/html-manager/dist/embed-amd.js").is_file()
     index = (out / "index.html").read_text()

@@ -11,6 +11,9 @@ stored metadata is what the rule gives. The rule, in order, for each cell:
    screen: the decks are the English lecture, and a lecturer teaching in Chinese finds them in the speaker view
    (markdown cells ``notes``, code cells ``skip``).
 1. A markdown cell opening with ``# `` or ``## `` opens a slide; one opening with ``### `` or deeper, a subslide.
+   A heading inside a markdown cell (a paragraph, then ``## 5. ...``) does the same in the export, which cuts the
+   cell there (``split_at_headings``); the stored metadata, one type per cell, is the type of the cell's first
+   part (JupyterLab's RISE shows such a cell on one slide).
 2. Skipped (they stay in the notebook, not on the screen): the first code cell (imports and set-up), code cells
    without outputs longer than ``MAX_SILENT_CODE_LINES`` (helper definitions), code cells whose text output is
    longer than ``MAX_OUTPUT_LINES``, and worked solutions (a code cell opening with ``# Solution``, a markdown cell
@@ -147,6 +150,33 @@ def _chinese_section(src: str) -> Optional[bool]:
     return m.group(1).startswith("中文")
 
 
+def split_at_headings(cells: Sequence[dict]) -> List[tuple]:
+    """The cells cut at every heading that does not open its markdown cell (a paragraph, then ``## 5. ...`` in the
+    same cell; a ``#`` inside a fenced code block is not a heading, and a heading right below another stays with
+    it): ``[(index of the original cell, part)]``, a
+    part being a copy of the cell with that piece of its source. Cells without such a heading are one part."""
+    parts: List[tuple] = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "markdown":
+            parts.append((i, cell))
+            continue
+        pieces: List[List[str]] = [[]]
+        fenced = False
+        for line in _source(cell).splitlines(keepends=True):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            # a heading right below another (``## 8. Your turn`` then ``### 8a. ...``) stays with it
+            if not fenced and re.match(r"#{1,6} ", line) and any(
+                    x.strip() and not re.match(r"#{1,6} ", x) for x in pieces[-1]):
+                pieces.append([])
+            pieces[-1].append(line)
+        if len(pieces) == 1:
+            parts.append((i, cell))
+        else:
+            parts += [(i, dict(cell, source="".join(piece).strip("\n"))) for piece in pieces]
+    return parts
+
+
 def _types_with_limit(cells: Sequence[dict], limit: Optional[int]) -> List[str]:
     types: List[str] = []
     used = 0  # estimated lines on the current (sub)slide
@@ -180,7 +210,8 @@ def _types_with_limit(cells: Sequence[dict], limit: Optional[int]) -> List[str]:
 
 
 def count_slides(types: Sequence[Optional[str]]) -> int:
-    """The screens of a deck: its slides and subslides (what reveal.js's slide number counts)."""
+    """The slides and subslides among ``types`` (what reveal.js's slide number counts, for the parts of
+    ``part_slide_types``; a notebook's stored metadata misses the slides its cells open inside themselves)."""
     return sum(t in ("slide", "subslide") for t in types)
 
 
@@ -194,13 +225,27 @@ def slide_budget(name: str) -> int:
 
 
 def line_limit(cells: Sequence[dict], max_slides: int) -> Optional[int]:
-    """The overflow limit, in estimated lines, that cuts ``cells`` into at most ``max_slides`` slides: the first of
-    ``SCREEN_STEPS`` screens that does, or None (cut at the headings only) when none does."""
+    """The overflow limit, in estimated lines, that cuts ``cells`` into at most ``max_slides`` slides (counted on
+    ``split_at_headings``'s parts, as exported): the first of ``SCREEN_STEPS`` screens that does, or None (cut at
+    the headings only) when none does."""
+    parts = [part for _, part in split_at_headings(cells)]
     for screens in SCREEN_STEPS:
         limit = int(screens * SCREEN_LINES)
-        if count_slides(_types_with_limit(cells, limit)) <= max_slides:
+        if count_slides(_types_with_limit(parts, limit)) <= max_slides:
             return limit
     return None
+
+
+def part_slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List[tuple]:
+    """``[(index of the original cell, part, slide type)]`` for ``split_at_headings(cells)``: what the export shows.
+    A heading inside a cell opens a slide (``##``) or subslide (``###``) there; the cell's stored metadata
+    (``slide_types``) is its first part's type, as JupyterLab's RISE, which cannot split a cell, reads it."""
+    parts = split_at_headings(cells)
+    limit = MAX_SLIDE_LINES if max_slides is None else line_limit(cells, max_slides)
+    if max_slides is not None and max_slides < 1:
+        raise ValueError(f"max_slides must be >= 1, got {max_slides}")
+    types = _types_with_limit([part for _, part in parts], limit)
+    return [(i, part, t) for (i, part), t in zip(parts, types)]
 
 
 def slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List[str]:
@@ -216,11 +261,10 @@ def slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List
     Raises:
         ValueError: ``max_slides`` below 1.
     """
-    if max_slides is None:
-        return _types_with_limit(cells, MAX_SLIDE_LINES)
-    if max_slides < 1:
-        raise ValueError(f"max_slides must be >= 1, got {max_slides}")
-    return _types_with_limit(cells, line_limit(cells, max_slides))
+    first: Dict[int, str] = {}
+    for i, _, t in part_slide_types(cells, max_slides):
+        first.setdefault(i, t)
+    return [first[i] for i in range(len(cells))]
 
 
 def notebook_slide_types(name: str, cells: Sequence[dict]) -> List[str]:
@@ -512,6 +556,15 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     written: Dict[str, Path] = {}
     for p in paths:
         nb = nbformat.read(p, as_version=4)
+        # the slides as the rule cuts them: a heading inside a cell opens its own slide in the export
+        shown, seen = [], set()
+        for i, part, t in part_slide_types(nb.cells, slide_budget(p.stem) if p.stem in SLIDE_NOTEBOOKS else None):
+            part = nbformat.from_dict(dict(part, metadata=dict(part.get("metadata", {}), slideshow={"slide_type": t})))
+            if i in seen and "id" in part:
+                part["id"] = f"{part['id']}-{len(shown)}"  # cell ids stay unique
+            seen.add(i)
+            shown.append(part)
+        nb.cells = shown
         add_notes(nb, notes.get(p.stem, []), p.stem)
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
         # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
