@@ -18,6 +18,7 @@ import shutil
 import pytest
 
 from minivllm.course import slides
+from minivllm.course.viz.frame import FRAME_CSS_SLIDES
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-background-networking",
@@ -68,7 +69,7 @@ def test_every_deck_is_offline(exported):
         cells = json.loads((slides.NOTEBOOKS_DIR / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
         types = [t for _, _, t in slides.part_slide_types(cells, slides.slide_budget(stem))]
         assert screens(page) == slides.count_slides(types), stem
-        assert ".reveal .mv-frame {font-size: 21px" in page, stem  # the animator's slides layout
+        assert FRAME_CSS_SLIDES.strip() in page, stem  # the animator's slides layout
     assert (out / "@jupyter-widgets/html-manager/dist/embed-amd.js").is_file()
     index = (out / "index.html").read_text()
     assert all(f'href="{f.name}"' in index for f in written.values())
@@ -172,6 +173,10 @@ def test_animator_plays_in_the_exported_slides(exported, stem, tmp_path):
             }""")
             assert size["font"] >= 20 and (size["block"] is None or size["block"] >= 40 * size["scale"] - 1), size
             assert size["id"] is None or size["id"] >= 22, size
+            # the whole frame fits on the 800-pixel screen (the notebook's 12 requests and 40 blocks in 04)
+            height = page.evaluate("""() => [...Reveal.getCurrentSlide().querySelectorAll('.mv-frame')]
+                .find(e => e.getClientRects().length > 0).getBoundingClientRect().height""")
+            assert height <= 800 - 60, height  # 60 px for the Play button and the slider above it
             page.screenshot(path=str(tmp_path / f"{stem}.png"))
             # the speaker view's notes for this slide come from the run sheet (or, for the title, its overview)
             assert "Segment" in page.evaluate("() => Reveal.getSlideNotes() || ''"), stem

@@ -557,7 +557,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     for p in paths:
         nb = nbformat.read(p, as_version=4)
         # the slides as the rule cuts them: a heading inside a cell opens its own slide in the export
-        shown, seen = [], set()
+        shown: list = []
+        seen: set = set()
         for i, part, t in part_slide_types(nb.cells, slide_budget(p.stem) if p.stem in SLIDE_NOTEBOOKS else None):
             part = nbformat.from_dict(dict(part, metadata=dict(part.get("metadata", {}), slideshow={"slide_type": t})))
             if i in seen and "id" in part:
