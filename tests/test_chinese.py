@@ -174,3 +174,21 @@ def test_chinese_readme_maps_every_notebook_and_the_readmes_link_each_other():
     assert "](README.md)" in zh and "](notebooks/GLOSSARY.md)" in zh
     top = README.read_text(encoding="utf-8").split("\n## ")[0]
     assert "](README.zh-CN.md)" in top, "README.md links README.zh-CN.md before its first section"
+
+
+def test_glossary_defines_every_term_in_english_too():
+    """The issue: the glossary had Chinese definitions only. Every term's row has the Chinese definition (定义) and
+    an English one beside it, with no Chinese character in the English column except a quoted Chinese term."""
+    text = GLOSSARY.read_text(encoding="utf-8")
+    headers = [r for r in text.splitlines() if r.startswith("| English |")]
+    assert headers and all(h.split("|")[4:6] == [" 定义 ", " Definition (English) "] for h in headers), headers
+    rows = [r for r in text.splitlines() if r.startswith("| ") and not r.startswith("| English |")
+            and not r.startswith("|---")]
+    assert len(rows) >= 50
+    for r in rows:
+        cols = [c.strip() for c in r.split("|")[1:-1]]
+        assert len(cols) == 5, r
+        zh, en = cols[3], cols[4]
+        assert re.search(r"[\u4e00-\u9fff]", zh), r
+        assert len(re.findall(r"[A-Za-z]+", re.sub(r"`[^`]*`", "", en))) >= 5, r  # an English sentence
+        assert not re.search(r"[\u4e00-\u9fff]", re.sub(r"\(in Chinese:[^)]*\)", "", en)), r

@@ -1,12 +1,19 @@
 """Lecture slides from the notebooks: the slide-type rule, and the offline reveal.js export.
 
-The notebooks a lecture shows (``SLIDE_NOTEBOOKS``) carry ``metadata.slideshow.slide_type`` on every cell, as
+Every course notebook (``SLIDE_NOTEBOOKS``, 00-12, grouped as the guide's lectures in ``LECTURES``) carries
+``metadata.slideshow.slide_type`` on every cell, as
 JupyterLab's property inspector, RISE (``jupyterlab-rise``) and nbconvert's ``SlidesExporter`` read it. The
 metadata is not written by hand: ``slide_types`` derives it from the cells, so it can be re-applied after anyone
 edits a notebook (``python -m minivllm.course.slides apply``), and ``tests/test_slides.py`` checks that the
 stored metadata is what the rule gives. The rule, in order, for each cell:
 
+0. The Chinese sections (a heading that opens with ``中文``: 中文导读, 中文小结) go to the speaker notes, not on the
+   screen: the decks are the English lecture, and a lecturer teaching in Chinese finds them in the speaker view
+   (markdown cells ``notes``, code cells ``skip``).
 1. A markdown cell opening with ``# `` or ``## `` opens a slide; one opening with ``### `` or deeper, a subslide.
+   A heading inside a markdown cell (a paragraph, then ``## 5. ...``) does the same in the export, which cuts the
+   cell there (``split_at_headings``); the stored metadata, one type per cell, is the type of the cell's first
+   part (JupyterLab's RISE shows such a cell on one slide).
 2. Skipped (they stay in the notebook, not on the screen): the first code cell (imports and set-up), code cells
    without outputs longer than ``MAX_SILENT_CODE_LINES`` (helper definitions), code cells whose text output is
    longer than ``MAX_OUTPUT_LINES``, and worked solutions (a code cell opening with ``# Solution``, a markdown cell
@@ -14,8 +21,10 @@ stored metadata is what the rule gives. The rule, in order, for each cell:
 3. A markdown cell opening with ``**Under other configurations.**`` (the FAQ's per-configuration details) goes to
    the speaker notes (``notes``).
 4. Any other cell continues the current slide, unless its estimated height (``cell_height``) would take the slide
-   past ``MAX_SLIDE_LINES``: then it opens a subslide (reveal.js slides have a fixed size; the export also lets a
-   slide that is still too long scroll).
+   past the deck's line limit: then it opens a subslide. The limit is one screen (``SCREEN_LINES``) where the deck
+   fits its share of its lecture's ``SLIDES_PER_LECTURE`` slides (``slide_budget``); otherwise the smallest of
+   ``SCREEN_STEPS`` screens that makes it fit (headings alone, when none does), and a slide taller than the screen
+   scrolls (the export's template). A 90-minute lecture is then 20-25 slides, not one per screenful of notebook.
 
 The export (``export``) runs nbconvert's ``SlidesExporter`` with the template in ``slides_template/``, which
 differs from nbconvert's ``reveal`` template only in loading nothing from the network: reveal.js, RequireJS and
@@ -45,13 +54,25 @@ TEMPLATE_DIR = Path(__file__).resolve().parent / "slides_template"
 TEMPLATE_NAME = "minivllm_reveal"
 DEFAULT_OUT = ROOT / "build" / "slides"
 
-#: The notebooks a lecture shows, as slides.
-SLIDE_NOTEBOOKS = (
-    "04_continuous_batching", "05_chunked_prefill", "06_preemption", "08_kv_connector", "10_faq",
+#: The guide's seven 90-minute lectures (notebooks/LECTURERS_GUIDE.md, "A course of seven 90-minute lectures"),
+#: each the notebooks it shows; ``tests/test_slides.py`` checks this against the guide.
+LECTURES = (
+    ("00_tour", "01_llama_forward_and_generation"),
+    ("02_kv_cache", "03_paged_kv_blocks"),
+    ("04_continuous_batching", "05_chunked_prefill"),
+    ("06_preemption", "07_prefix_caching"),
+    ("08_kv_connector",),
+    ("09_performance", "10_faq"),
+    ("11_serving", "12_tensor_parallel"),
 )
+#: Every notebook is a deck.
+SLIDE_NOTEBOOKS = tuple(name for lecture in LECTURES for name in lecture)
 SLIDE_TYPES = ("slide", "subslide", "fragment", "-", "skip", "notes")
 
-MAX_SLIDE_LINES = 26        # estimated lines that fit on one 1280x800 slide at the export's font size
+SLIDES_PER_LECTURE = 24     # the issue's 20-25 slides for a 90-minute lecture, shared by the lecture's decks
+SCREEN_LINES = 26           # estimated lines that fit on one 1280x800 slide at the export's font size
+SCREEN_STEPS = (1, 1.5, 2, 3, 4, 6)  # line limits tried, in screens, before a deck is cut at its headings only
+MAX_SLIDE_LINES = SCREEN_LINES  # the limit of ``slide_types`` without a budget
 MAX_SILENT_CODE_LINES = 25  # longer code cells without outputs are helper definitions: skipped
 MAX_OUTPUT_LINES = 60       # longer text outputs cannot be read on a slide: skipped
 IMAGE_LINES = 16            # an image, a widget or an HTML table counts as this many lines
@@ -120,24 +141,57 @@ def _skipped(cell: dict, first_code: bool) -> bool:
     return _output_text_lines(cell) > MAX_OUTPUT_LINES
 
 
-def slide_types(cells: Sequence[dict]) -> List[str]:
-    """The slide type of every cell of a notebook, by the rule in this module's docstring.
+def _chinese_section(src: str) -> Optional[bool]:
+    """For a markdown cell: True if it opens a Chinese section (``## 中文导读``), False if it opens another section,
+    None if it opens none."""
+    m = re.match(r"#{1,6} (.*)", src)
+    if not m:
+        return None
+    return m.group(1).startswith("中文")
 
-    Args:
-        cells: the notebook's cells (nbformat 4 dicts: ``cell_type``, ``source``, ``outputs``).
 
-    Returns:
-        One of ``"slide"``, ``"subslide"``, ``"-"``, ``"skip"``, ``"notes"`` per cell, in order.
-    """
+def split_at_headings(cells: Sequence[dict]) -> List[tuple]:
+    """The cells cut at every heading that does not open its markdown cell (a paragraph, then ``## 5. ...`` in the
+    same cell; a ``#`` inside a fenced code block is not a heading, and a heading right below another stays with
+    it): ``[(index of the original cell, part)]``, a
+    part being a copy of the cell with that piece of its source. Cells without such a heading are one part."""
+    parts: List[tuple] = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] != "markdown":
+            parts.append((i, cell))
+            continue
+        pieces: List[List[str]] = [[]]
+        fenced = False
+        for line in _source(cell).splitlines(keepends=True):
+            if line.lstrip().startswith("```"):
+                fenced = not fenced
+            # a heading right below another (``## 8. Your turn`` then ``### 8a. ...``) stays with it
+            if not fenced and re.match(r"#{1,6} ", line) and any(
+                    x.strip() and not re.match(r"#{1,6} ", x) for x in pieces[-1]):
+                pieces.append([])
+            pieces[-1].append(line)
+        if len(pieces) == 1:
+            parts.append((i, cell))
+        else:
+            parts += [(i, dict(cell, source="".join(piece).strip("\n"))) for piece in pieces]
+    return parts
+
+
+def _types_with_limit(cells: Sequence[dict], limit: Optional[int]) -> List[str]:
     types: List[str] = []
     used = 0  # estimated lines on the current (sub)slide
     seen_code = False
+    chinese = False
     for cell in cells:
         kind = cell["cell_type"]
         src = _source(cell).lstrip()
         first_code = kind == "code" and not seen_code
         seen_code = seen_code or kind == "code"
-        if kind == "markdown" and re.match(r"#{1,2} ", src):
+        if kind == "markdown" and _chinese_section(src) is not None:
+            chinese = bool(_chinese_section(src))
+        if chinese:
+            t = "notes" if kind == "markdown" else "skip"
+        elif kind == "markdown" and re.match(r"#{1,2} ", src):
             t, used = "slide", cell_height(cell)
         elif kind == "markdown" and re.match(r"#{3,6} ", src):
             t, used = "subslide", cell_height(cell)
@@ -147,12 +201,75 @@ def slide_types(cells: Sequence[dict]) -> List[str]:
             t = "notes"
         else:
             h = cell_height(cell)
-            if used and used + h > MAX_SLIDE_LINES:
+            if limit is not None and used and used + h > limit:
                 t, used = "subslide", h
             else:
                 t, used = "-", used + h
         types.append(t)
     return types
+
+
+def count_slides(types: Sequence[Optional[str]]) -> int:
+    """The slides and subslides among ``types`` (what reveal.js's slide number counts, for the parts of
+    ``part_slide_types``; a notebook's stored metadata misses the slides its cells open inside themselves)."""
+    return sum(t in ("slide", "subslide") for t in types)
+
+
+def slide_budget(name: str) -> int:
+    """The most slides the deck of notebook ``name`` (a stem in ``SLIDE_NOTEBOOKS``) should have: its share of its
+    lecture's ``SLIDES_PER_LECTURE``. KeyError for a notebook of no lecture."""
+    for lecture in LECTURES:
+        if name in lecture:
+            return SLIDES_PER_LECTURE // len(lecture)
+    raise KeyError(f"notebook {name!r} is in no lecture of LECTURES")
+
+
+def line_limit(cells: Sequence[dict], max_slides: int) -> Optional[int]:
+    """The overflow limit, in estimated lines, that cuts ``cells`` into at most ``max_slides`` slides (counted on
+    ``split_at_headings``'s parts, as exported): the first of ``SCREEN_STEPS`` screens that does, or None (cut at
+    the headings only) when none does."""
+    parts = [part for _, part in split_at_headings(cells)]
+    for screens in SCREEN_STEPS:
+        limit = int(screens * SCREEN_LINES)
+        if count_slides(_types_with_limit(parts, limit)) <= max_slides:
+            return limit
+    return None
+
+
+def part_slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List[tuple]:
+    """``[(index of the original cell, part, slide type)]`` for ``split_at_headings(cells)``: what the export shows.
+    A heading inside a cell opens a slide (``##``) or subslide (``###``) there; the cell's stored metadata
+    (``slide_types``) is its first part's type, as JupyterLab's RISE, which cannot split a cell, reads it."""
+    parts = split_at_headings(cells)
+    limit = MAX_SLIDE_LINES if max_slides is None else line_limit(cells, max_slides)
+    if max_slides is not None and max_slides < 1:
+        raise ValueError(f"max_slides must be >= 1, got {max_slides}")
+    types = _types_with_limit([part for _, part in parts], limit)
+    return [(i, part, t) for (i, part), t in zip(parts, types)]
+
+
+def slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List[str]:
+    """The slide type of every cell of a notebook, by the rule in this module's docstring.
+
+    Args:
+        cells: the notebook's cells (nbformat 4 dicts: ``cell_type``, ``source``, ``outputs``).
+        max_slides: the deck's budget (``slide_budget``); None: overflow at one screen, ``MAX_SLIDE_LINES``.
+
+    Returns:
+        One of ``"slide"``, ``"subslide"``, ``"-"``, ``"skip"``, ``"notes"`` per cell, in order.
+
+    Raises:
+        ValueError: ``max_slides`` below 1.
+    """
+    first: Dict[int, str] = {}
+    for i, _, t in part_slide_types(cells, max_slides):
+        first.setdefault(i, t)
+    return [first[i] for i in range(len(cells))]
+
+
+def notebook_slide_types(name: str, cells: Sequence[dict]) -> List[str]:
+    """``slide_types`` of notebook ``name`` within its lecture's budget (``slide_budget``)."""
+    return slide_types(cells, slide_budget(name))
 
 
 def source_checkout_dir(path: Path, what: str) -> Path:
@@ -187,19 +304,180 @@ def stored_slide_types(cells: Sequence[dict]) -> List[Optional[str]]:
     return [c.get("metadata", {}).get("slideshow", {}).get("slide_type") for c in cells]
 
 
-def apply(path: Path) -> bool:
-    """Write the rule's slide types into the notebook at ``path``; touches nothing else. Returns whether the file
+def apply(path: Path, max_slides: Optional[int] = None) -> bool:
+    """Write the rule's slide types (``slide_types`` with the budget ``max_slides``; the command passes each
+    notebook's ``slide_budget``) into the notebook at ``path``; touches nothing else. Returns whether the file
     changed."""
     import nbformat
 
     text = path.read_text(encoding="utf-8")
     nb = nbformat.reads(text, as_version=4)
-    for cell, t in zip(nb.cells, slide_types(nb.cells)):
+    for cell, t in zip(nb.cells, slide_types(nb.cells, max_slides)):
         cell.metadata["slideshow"] = {"slide_type": t}
     new = nbformat.writes(nb) + "\n"
     if new != text:
         path.write_text(new, encoding="utf-8")
     return new != text
+
+
+# ---- speaker notes from the run sheets --------------------------------------------------------------------------
+LECTURES_DIR = NOTEBOOKS_DIR / "lectures"
+_CITE = re.compile(r"«(\d\d) · ([^»]+)»")
+_SEGMENT_ROW = re.compile(r"^\|\s*(\d+)\s*\|\s*(\d+)\s*\|([^|\n]*)\|([^\n]*)\|\s*$", re.M)
+_SEGMENT_HEAD = re.compile(r"^## (\d+)\. (.*)$", re.M)
+_MD_HEADING = re.compile(r"^#{1,6} (.+)$", re.M)
+_FAQ_TAG = re.compile(r"^# (\[Q\d-[a-z]\])", re.M)
+
+
+def _norm(text: str) -> str:
+    return " ".join(text.split())
+
+
+def run_sheet_segments(text: str) -> List[dict]:
+    """The segments of a run sheet (``notebooks/lectures/lecture_NN.md``): for each row of its ``## Segments``
+    table, ``{"number", "minutes", "start" (minutes since the lecture began), "title", "cited" [(notebook number,
+    heading)] (the on-screen column's «NN · heading» citations, in order), "body" (the markdown of the segment's
+    ``## N. ...`` section, heading line included)}``.
+
+    Raises:
+        ValueError: no segment table, or a table row without its ``## N.`` section.
+    """
+    if "## Segments" not in text:
+        raise ValueError("run sheet: no '## Segments' table")
+    table = text.split("## Segments", 1)[1].split("\n## ", 1)[0]
+    heads = list(_SEGMENT_HEAD.finditer(text))
+    bodies = {}
+    for i, m in enumerate(heads):
+        end = heads[i + 1].start() if i + 1 < len(heads) else len(text)
+        # the section's own "## N. title" line becomes bold text: a heading inside the notes would read, to a
+        # browser and to a test, as a heading of the slide
+        body = text[m.start():end].strip()
+        bodies[int(m.group(1))] = "**" + body.split("\n", 1)[0][3:].strip() + "**" + body[len(body.split("\n", 1)[0]):]
+    segments, start = [], 0
+    for m in _SEGMENT_ROW.finditer(table):
+        number, minutes = int(m.group(1)), int(m.group(2))
+        if number not in bodies:
+            raise ValueError(f"run sheet: segment {number} of the table has no '## {number}.' section")
+        cited = [(nb, _norm(h)) for nb, h in _CITE.findall(m.group(4))]
+        segments.append({"number": number, "minutes": minutes, "start": start, "title": m.group(3).strip(),
+                         "cited": cited, "body": bodies[number]})
+        start += minutes
+    return segments
+
+
+def _preamble(text: str) -> str:
+    """The run sheet's text before ``## Segments`` from its ``**Goal.**`` on (goal, before class, what to cut when
+    time runs short); the lines above it (title, notebooks, length, decks) say what the deck already shows."""
+    head = text.split("## Segments", 1)[0]
+    if "**Goal.**" in head:
+        return "**Goal.** " + head.split("**Goal.**", 1)[1].strip()
+    return "\n".join(line for line in head.splitlines() if not line.startswith("# ")).strip()
+
+
+def _clock(minutes: int) -> str:
+    return f"{minutes // 60}:{minutes % 60:02d}"
+
+
+def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
+    """Speaker notes for the decks, from the lectures' run sheets: ``notebook stem -> [(anchor, markdown)]``.
+
+    An anchor is a heading of the notebook (the text after the ``#``s) or a FAQ tag (``[Q3-a]``), or ``None`` for
+    the title slide. Each segment's section (minutes, screen, board, demo and fallback, questions with expected
+    answers, misconceptions) goes under the first heading its table row cites in one of the lecture's own
+    notebooks, headed with its place in the lecture (segment k of n, minutes, clock time); the row's other cited
+    headings get it again, marked as continued. The title slide of each of the lecture's decks gets the run
+    sheet's preamble (goal, before class) and the segment table, and the first deck's title also the segments that
+    cite none of the lecture's notebooks (a recap of an earlier lecture, a title-slide opening).
+
+    Raises:
+        FileNotFoundError: a lecture's run sheet is missing.
+    """
+    notes: Dict[str, List[tuple]] = {name: [] for lecture in LECTURES for name in lecture}
+    for i, lecture in enumerate(LECTURES, start=1):
+        path = Path(lectures_dir) / f"lecture_{i:02d}.md"
+        if not path.is_file():
+            raise FileNotFoundError(f"run sheet of lecture {i} not found at {path}")
+        text = path.read_text(encoding="utf-8")
+        title = text.splitlines()[0].lstrip("# ").strip()
+        segments = run_sheet_segments(text)
+        own = {name[:2]: name for name in lecture}
+        overview = "\n".join(
+            [f"**Run sheet: {title}** ({path.name})", "", _preamble(text), "", "| # | min | at | segment |",
+             "|---|---|---|---|"]
+            + [f"| {g['number']} | {g['minutes']} | {_clock(g['start'])} | {g['title']} |" for g in segments])
+        for name in lecture:
+            notes[name].append((None, overview))
+        for g in segments:
+            where = f"**Segment {g['number']} of {len(segments)} · {g['minutes']} min · " \
+                    f"{_clock(g['start'])}-{_clock(g['start'] + g['minutes'])}** ({title})"
+            mine = [(nb, h) for nb, h in g["cited"] if nb in own]
+            if not mine:
+                notes[lecture[0]].append((None, f"{where}\n\n{g['body']}"))
+                continue
+            first = mine[0]
+            notes[own[first[0]]].append((first[1], f"{where}\n\n{g['body']}"))
+            for nb, h in dict.fromkeys(mine[1:]):
+                if (nb, h) != first:
+                    notes[own[nb]].append((h, f"{where}, continued\n\n{g['body']}"))
+    return notes
+
+
+def _anchor_index(cells: Sequence[dict], anchor: str) -> Optional[int]:
+    for i, cell in enumerate(cells):
+        src = _source(cell)
+        if cell["cell_type"] == "markdown" and any(_norm(h) == anchor for h in _MD_HEADING.findall(src)):
+            return i
+        if cell["cell_type"] == "code" and anchor in _FAQ_TAG.findall(src):
+            return i
+    return None
+
+
+def add_notes(nb, notes: Sequence[tuple], name: str = "notebook") -> None:
+    """Insert each ``(anchor, markdown)`` of ``notes`` (``lecture_notes``) into the notebook node ``nb`` (in memory;
+    the file is not touched) as a markdown cell of slide type ``notes`` right after the cell that holds the anchor
+    (``None``: after the title cell), so that nbconvert puts it in that slide's ``<aside class="notes">``. A screen
+    with no run-sheet notes of its own after the first segment's (a subslide, an uncited section) gets the notes
+    of the segment before it, marked as continued: the speaker view shows notes for the current screen only, and
+    the lecturer on the demo's third screen still needs its questions.
+
+    Raises:
+        KeyError: an anchor that no cell of the notebook holds (a run sheet citing a heading that was renamed).
+    """
+    import nbformat
+
+    inserts: Dict[int, List[str]] = {}
+    for anchor, text in notes:
+        i = 0 if anchor is None else _anchor_index(nb.cells, anchor)
+        if i is None:
+            raise KeyError(f"{name}: the run sheet cites {anchor!r}, which no cell of the notebook holds")
+        inserts.setdefault(i, []).append(text)
+
+    def notes_cell(text: str, segment: bool):
+        cell = nbformat.v4.new_markdown_cell(text)
+        cell.metadata["slideshow"] = {"slide_type": "notes"}
+        cell.metadata["minivllm_segment_notes"] = segment
+        return cell
+
+    for i in sorted(inserts, reverse=True):
+        texts = inserts[i]
+        nb.cells.insert(i + 1, notes_cell("\n\n---\n\n".join(texts), any(t.startswith("**Segment") for t in texts)))
+    # screens: runs of cells from a slide/subslide cell to the next
+    starts = [i for i, c in enumerate(nb.cells)
+              if c.metadata.get("slideshow", {}).get("slide_type") in ("slide", "subslide")]
+    carry: Optional[str] = None
+    filled = []
+    for k, start in enumerate(starts):
+        end = starts[k + 1] if k + 1 < len(starts) else len(nb.cells)
+        own = [c for c in nb.cells[start:end] if c.metadata.get("minivllm_segment_notes")]
+        if own:
+            carry = own[-1].source.split("\n\n---\n\n")[-1]
+        elif carry is not None:
+            filled.append(start)
+    for start in reversed(filled):
+        # the carry of the screen at ``start``: the last segment notes before it
+        before = [c for c in nb.cells[:start] if c.metadata.get("minivllm_segment_notes")]
+        text = before[-1].source.split("\n\n---\n\n")[-1]
+        nb.cells.insert(start + 1, notes_cell(f"*(continued from an earlier slide)* {text}", False))
 
 
 # ---- export ---------------------------------------------------------------------------------------------------
@@ -258,6 +536,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     from nbconvert import SlidesExporter
     from traitlets.config import Config
 
+    from minivllm.course.viz.frame import FRAME_CSS_SLIDES
+
     paths = notebook_paths(names)
     images = source_checkout_dir(ROOT / "images", "the course figures (images/)")
     out = Path(out)
@@ -275,12 +555,26 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     c.SlidesExporter.reveal_width = "1280"
     c.SlidesExporter.reveal_height = "800"
     exporter = SlidesExporter(config=c)
+    notes = lecture_notes()
     written: Dict[str, Path] = {}
     for p in paths:
         nb = nbformat.read(p, as_version=4)
+        # the slides as the rule cuts them: a heading inside a cell opens its own slide in the export
+        shown: list = []
+        seen: set = set()
+        for i, part, t in part_slide_types(nb.cells, slide_budget(p.stem) if p.stem in SLIDE_NOTEBOOKS else None):
+            part = nbformat.from_dict(dict(part, metadata=dict(part.get("metadata", {}), slideshow={"slide_type": t})))
+            if i in seen and "id" in part:
+                part["id"] = f"{part['id']}-{len(shown)}"  # cell ids stay unique
+            seen.add(i)
+            shown.append(part)
+        nb.cells = shown
+        add_notes(nb, notes.get(p.stem, []), p.stem)
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
         # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
         body = body.replace('src="../images/', 'src="images/')
+        # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
+        body = body.replace("</head>", f"<style>{FRAME_CSS_SLIDES}</style>\n</head>", 1)
         remote = check_offline(body)
         if remote:
             raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
@@ -308,7 +602,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     a = p.parse_args(argv)
     if a.cmd == "apply":
         for path in notebook_paths():
-            print(f"[slides] {path.name}: {'updated' if apply(path) else 'unchanged'}")
+            changed = apply(path, slide_budget(path.stem))
+            print(f"[slides] {path.name}: {'updated' if changed else 'unchanged'}")
         return 0
     if a.cmd == "check":
         import json
@@ -316,7 +611,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         bad = []
         for path in notebook_paths():
             cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
-            if stored_slide_types(cells) != slide_types(cells):
+            if stored_slide_types(cells) != notebook_slide_types(path.stem, cells):
                 bad.append(path.name)
         for name in bad:
             print(f"[slides] {name}: slide metadata differs from the rule; run python -m minivllm.course.slides apply")

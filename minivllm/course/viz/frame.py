@@ -51,6 +51,30 @@ FRAME_CSS = """
 """
 """The frame's style sheet (layout only; each request's colour is set inline)."""
 
+FRAME_CSS_SLIDES = """
+.reveal .mv-frame {font-size: 20px; line-height: 1.25; padding: 4px}
+.reveal .mv-frame .mv-title {font-size: 24px}
+.reveal .mv-badge {font-size: 16px; padding: 0 7px; border-radius: 10px}
+.reveal .mv-req {min-width: 180px; margin: 3px; padding: 3px 8px; border-width: 3px; border-left-width: 14px}
+.reveal .mv-req .mv-id {font-size: 22px}
+.reveal .mv-counts {font-size: 16px}
+.reveal .mv-chunk {font-size: 16px; margin-top: 2px; padding: 1px 5px}
+.reveal .mv-queue {margin: 4px 0; padding: 3px}
+.reveal .mv-budget, .reveal .mv-events, .reveal .mv-blocks {margin: 3px 0}
+.reveal .mv-bar {max-width: 100%; border-width: 2px}
+.reveal .mv-seg {height: 24px; min-width: 4px}
+.reveal .mv-pool {max-width: 100%}
+.reveal .mv-block {width: 40px; height: 30px; line-height: 30px; font-size: 16px; margin: 2px}
+.reveal .widget-play button {width: 60px; height: 44px; font-size: 22px}
+.reveal .widget-slider, .reveal .widget-hslider {width: 900px !important; height: 44px; font-size: 20px}
+.reveal .widget-slider .widget-label, .reveal .widget-readout {font-size: 20px; width: auto; min-width: 60px}
+"""
+"""The slides layout of a frame and of the animator's controls: the style sheet the exported decks add
+(``minivllm.course.slides.export``), scoped to reveal.js's ``.reveal`` so that it only applies there. A frame at
+``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-24 px,
+a KV block 40x30 px, the budget bar 24 px high and the step slider 900 px wide (checked at 1280x800 by
+``tests/test_slides_browser.py``)."""
+
 
 def _stripes(color: str) -> str:
     """CSS background of a prefill chunk: diagonal stripes of the owner's colour on white."""
