@@ -569,3 +569,24 @@ def test_a_token_id_prompt_over_max_model_len_is_refused_before_its_ids_are_chec
                           f"is longer than max_model_len ({MAX_MODEL_LEN})")
     assert all(n < 300_000 for n in scanned), scanned
     assert _post(server, {"model": "tiny", "prompt": [5] * (MAX_MODEL_LEN - 1), "max_tokens": 1}).status_code == 200
+
+
+def test_repeated_stop_token_ids_are_kept_once(tiny):
+    # A 5 MB body holds 2.4 million stop_token_ids: the scheduler's check_stop scanned them all after every token
+    # (27 ms a step on this CPU, for every request in the batch) and the sampler copied them while min_tokens
+    # held. Only distinct ids can stop a request, so at most the vocabulary's size are kept.
+    sp = SamplingParams(stop_token_ids=[7] * 100_000 + [3, 7, 3, 9], max_tokens=4)
+    assert sp.stop_token_ids == [7, 3, 9] and sp.clone().stop_token_ids == [7, 3, 9]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[1, [2]])
+    async_llm, server = tiny
+    seen = []
+    add = async_llm.engine.add_request
+    async_llm.engine.add_request = lambda rid, prompt, params, *a, **k: (seen.append(params), add(rid, prompt, params,
+                                                                                                 *a, **k))[1]
+    try:
+        r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "stop_token_ids": [600] * 200_000})
+    finally:
+        del async_llm.engine.add_request
+    assert r.status_code == 400 and "600" in r.json()["error"]["message"]  # outside the tiny vocabulary, once
+    assert [p.stop_token_ids for p in seen] == [[600]]
