@@ -590,3 +590,22 @@ def test_repeated_stop_token_ids_are_kept_once(tiny):
         del async_llm.engine.add_request
     assert r.status_code == 400 and "600" in r.json()["error"]["message"]  # outside the tiny vocabulary, once
     assert [p.stop_token_ids for p in seen] == [[600]]
+
+
+def test_more_messages_than_max_model_len_are_refused_before_each_is_validated(tiny, monkeypatch):
+    # 160,000 empty messages (a 4.6 MB body): pydantic built a ChatMessage for each on the event loop (0.64 s), then
+    # the template rendered them all on the tokenizer thread (7 s in all, a neighbour's gap of 2.2 s). A chat
+    # template spends at least one token on each message, so more messages than max_model_len cannot fit.
+    from minivllm.entrypoints.openai import protocol
+
+    _, server = tiny
+    scanned = []
+    first_bad = protocol._first_bad
+    monkeypatch.setattr(protocol, "_first_bad", lambda items, ok: scanned.append(len(items)) or first_bad(items, ok))
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 30_000}, separators=(",", ":"))
+    _assert_error(_post(server, body.encode(), "/v1/chat/completions"), 400, "messages",
+                  f"30000 messages cannot fit in max_model_len ({MAX_MODEL_LEN})")
+    assert all(n < 30_000 for n in scanned), scanned
+    # Within the bound: on to the next check (the tiny model has no chat template).
+    _assert_error(_post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * MAX_MODEL_LEN},
+                        "/v1/chat/completions"), 400, "messages", "no tokenizer")
