@@ -609,3 +609,14 @@ def test_more_messages_than_max_model_len_are_refused_before_each_is_validated(t
     # Within the bound: on to the next check (the tiny model has no chat template).
     _assert_error(_post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * MAX_MODEL_LEN},
                         "/v1/chat/completions"), 400, "messages", "no tokenizer")
+
+
+@pytest.mark.parametrize("seed, status", [(-1, 200), (-2**63, 200), (2**63 - 1, 200), (-5, 200), (2**63, 400),
+                                          (-2**63 - 1, 400)])
+def test_seed_takes_vllms_int64_range(tiny, seed, status):
+    # vLLM 0.32: seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX) (completion/protocol.py); -1 = none.
+    _, server = tiny
+    r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "temperature": 1.0, "seed": seed})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == "seed"
