@@ -201,7 +201,8 @@ def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
 
     answers, (tokens, finish, gap) = asyncio.run(main())
     assert answers[0][0] == 413 and answers[0][1]["error"]["type"] == "RequestEntityTooLargeError", answers[0][:2]
-    assert answers[1][0] == 400 and "prompt[500000] must be a token id" in answers[1][1]["error"]["message"]
+    # Refused by its length before any id is looked at (test_a_token_id_prompt_over_max_model_len_...).
+    assert answers[1][0] == 400 and "prompt length (500001 tokens)" in answers[1][1]["error"]["message"]
     assert answers[2][0] == 400 and answers[2][1]["error"]["param"] == "messages"
     assert all(t < 5 for *_x, t in answers), [t for *_x, t in answers]
     assert len(tokens) == 200 and finish == "length"
@@ -221,6 +222,23 @@ def test_prompt_over_max_model_len_is_refused_before_the_engine(tiny, monkeypatc
     assert _post(server, {"prompt": [5] * 10, "max_tokens": 1}).status_code == 200 and len(seen) == 1
 
 
+def _raw_post(server, body: bytes) -> bytes:
+    """The response's head, from a request sent over a plain socket (``Connection: close``)."""
+    import socket
+
+    host, port = server.base.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        reply = b""
+        while b"\r\n\r\n" not in reply:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            reply += chunk
+    return reply
+
+
 def test_rejected_prompts_are_freed_without_a_garbage_collection(tiny):
     # The engine's ValueError came back through a future held by a frame in its own traceback (and a task held
     # by with_cancellation's frame): reference cycles that kept each rejected prompt until a collection ran.
@@ -229,7 +247,10 @@ def test_rejected_prompts_are_freed_without_a_garbage_collection(tiny):
     _async_llm, server = tiny
     marker = 433
     prompts = [[marker] * 100 + [600],  # out of the vocabulary: refused by the engine thread
-               [marker] * (MAX_MODEL_LEN + 50)]  # too long: refused by the server
+               [marker] * (MAX_MODEL_LEN + 50),  # too long: refused by the server
+               [marker] * 100 + ["x"]]  # refused by the request's validation (FastAPI's RequestValidationError)
+    # Not UTF-8: FastAPI's HTTPException, raised from a local of the frame its traceback holds (so is this body).
+    not_utf8 = b'{"prompt": [' + b"433,\t" * 100 + b'1], "model": "\xff"}'
     from minivllm.entrypoints.openai.protocol import CompletionRequest
 
     gc.collect()
@@ -238,12 +259,14 @@ def test_rejected_prompts_are_freed_without_a_garbage_collection(tiny):
         for stream in (False, True):
             for prompt in [*prompts, "a text: the tiny model has no tokenizer"]:
                 assert _post(server, {"prompt": prompt, "max_tokens": 2, "stream": stream}).status_code == 400
+            assert _raw_post(server, not_utf8).startswith(b"HTTP/1.1 400 ")  # no client object to hold the body
         time.sleep(0.2)
         gc.set_debug(gc.DEBUG_SAVEALL)
         gc.collect()
         leaked = [o for o in gc.garbage for r in [o, *gc.get_referents(o)]
                   if isinstance(r, CompletionRequest)
-                  or isinstance(r, list) and len(r) >= 100 and r[0] == marker and r[1] == marker]
+                  or isinstance(r, list) and len(r) >= 100 and r[0] == marker and r[1] == marker
+                  or isinstance(r, bytes) and b"433,\t" * 100 in r]
     finally:
         gc.set_debug(0)
         gc.garbage.clear()
@@ -528,3 +551,72 @@ def test_aborting_a_parent_removes_its_children_in_one_pass():
     out = eng.abort_request("p")
     assert calls == [36] and not eng.has_unfinished_requests() and eng.kv_cache_manager.num_free_blocks == 64
     assert len(out) == 1 and out[0].finished
+
+
+def test_a_token_id_prompt_over_max_model_len_is_refused_before_its_ids_are_checked(tiny, monkeypatch):
+    # A body just under the size limit holds millions of 2-byte ids ("1,"): on the real model's default limit
+    # (5 MB) checking each id, then pydantic's list[int], held the event loop 0.45 s after json.loads' 0.3 s (a
+    # neighbour's gap of 0.78 s). The length is known from len(): an over-long list is refused before either.
+    from minivllm.entrypoints.openai import protocol
+
+    _, server = tiny
+    scanned = []
+    first_bad = protocol._first_bad
+    monkeypatch.setattr(protocol, "_first_bad", lambda items, ok: scanned.append(len(items)) or first_bad(items, ok))
+    for prompt in ([1] * 300_000, [1] * 300_000 + ["x"], [[1] * 300_000]):
+        for stream in (False, True):
+            _assert_error(_post(server, {"model": "tiny", "prompt": prompt, "stream": stream}), 400, "prompt",
+                          f"is longer than max_model_len ({MAX_MODEL_LEN})")
+    assert all(n < 300_000 for n in scanned), scanned
+    assert _post(server, {"model": "tiny", "prompt": [5] * (MAX_MODEL_LEN - 1), "max_tokens": 1}).status_code == 200
+
+
+def test_repeated_stop_token_ids_are_kept_once(tiny):
+    # A 5 MB body holds 2.4 million stop_token_ids: the scheduler's check_stop scanned them all after every token
+    # (27 ms a step on this CPU, for every request in the batch) and the sampler copied them while min_tokens
+    # held. Only distinct ids can stop a request, so at most the vocabulary's size are kept.
+    sp = SamplingParams(stop_token_ids=[7] * 100_000 + [3, 7, 3, 9], max_tokens=4)
+    assert sp.stop_token_ids == [7, 3, 9] and sp.clone().stop_token_ids == [7, 3, 9]
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        SamplingParams(stop_token_ids=[1, [2]])
+    async_llm, server = tiny
+    seen = []
+    add = async_llm.engine.add_request
+    async_llm.engine.add_request = lambda rid, prompt, params, *a, **k: (seen.append(params), add(rid, prompt, params,
+                                                                                                 *a, **k))[1]
+    try:
+        r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "stop_token_ids": [600] * 200_000})
+    finally:
+        del async_llm.engine.add_request
+    assert r.status_code == 400 and "600" in r.json()["error"]["message"]  # outside the tiny vocabulary, once
+    assert [p.stop_token_ids for p in seen] == [[600]]
+
+
+def test_more_messages_than_max_model_len_are_refused_before_each_is_validated(tiny, monkeypatch):
+    # 160,000 empty messages (a 4.6 MB body): pydantic built a ChatMessage for each on the event loop (0.64 s), then
+    # the template rendered them all on the tokenizer thread (7 s in all, a neighbour's gap of 2.2 s). A chat
+    # template spends at least one token on each message, so more messages than max_model_len cannot fit.
+    from minivllm.entrypoints.openai import protocol
+
+    _, server = tiny
+    scanned = []
+    first_bad = protocol._first_bad
+    monkeypatch.setattr(protocol, "_first_bad", lambda items, ok: scanned.append(len(items)) or first_bad(items, ok))
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 30_000}, separators=(",", ":"))
+    _assert_error(_post(server, body.encode(), "/v1/chat/completions"), 400, "messages",
+                  f"30000 messages cannot fit in max_model_len ({MAX_MODEL_LEN})")
+    assert all(n < 30_000 for n in scanned), scanned
+    # Within the bound: on to the next check (the tiny model has no chat template).
+    _assert_error(_post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * MAX_MODEL_LEN},
+                        "/v1/chat/completions"), 400, "messages", "no tokenizer")
+
+
+@pytest.mark.parametrize("seed, status", [(-1, 200), (-2**63, 200), (2**63 - 1, 200), (-5, 200), (2**63, 400),
+                                          (-2**63 - 1, 400)])
+def test_seed_takes_vllms_int64_range(tiny, seed, status):
+    # vLLM 0.32: seed: int | None = Field(None, ge=_INT64_MIN, le=_INT64_MAX) (completion/protocol.py); -1 = none.
+    _, server = tiny
+    r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "temperature": 1.0, "seed": seed})
+    assert r.status_code == status, r.text[:300]
+    if status == 400:
+        assert r.json()["error"]["param"] == "seed"

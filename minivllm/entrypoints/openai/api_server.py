@@ -17,7 +17,8 @@ any prompt within ``max_model_len`` could need; 500 when the engine died under t
 shut down. Messages echo at most a bounded part of the bad input, as vLLM's do. Where minivllm differs from vLLM:
 vLLM's 401 body is ``{"error": "Unauthorized"}``; minivllm uses the same OpenAI shape as its other errors. vLLM
 parses a body of any size; minivllm refuses one over ``max_body_bytes`` before parsing it, so that a 50 MB body
-costs the event loop nothing but its reading.
+costs the event loop nothing but its reading, and refuses a token-id prompt over ``max_model_len`` by its length
+before checking its ids (``protocol.prompt_token_limit``; vLLM checks the length after validating the request).
 
 Shutdown (SIGINT or SIGTERM): the engine aborts every request in flight first, so that each open stream ends
 (``finish_reason: "abort"``, then ``data: [DONE]``) and uvicorn's graceful shutdown finds no connection left to wait
@@ -50,7 +51,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from minivllm.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
+                                                  prompt_token_limit)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import RequestError, engine_dead, truncate
@@ -85,6 +87,32 @@ def _summarize_input(value: Any) -> str:
         return f"<{type(value).__name__}>"
 
 
+def _forget_frames(e: BaseException) -> None:
+    """Drops the tracebacks of ``e`` and of the exceptions it was raised from.
+
+    FastAPI raises its ``RequestValidationError`` and ``HTTPException`` from a local variable of the raising frame
+    (``fastapi/routing.py``), and that frame is in the exception's traceback: a reference cycle that keeps the
+    request's body, parsed or not (up to ``max_body_bytes``), alive until a garbage collection runs. So does the
+    ``ValueError`` of a field validator, which pydantic keeps in the error's ``ctx``: its traceback holds FastAPI's
+    frame that holds the list of errors. The handlers below need the exceptions, not their frames. (vLLM 0.32's
+    handlers keep them.)
+    """
+    seen = set()
+    pending: List[Optional[BaseException]] = [e]
+    while pending:
+        current = pending.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        current.__traceback__ = None
+        pending += [current.__cause__, current.__context__]
+        if isinstance(current, RequestValidationError):
+            for error in current.errors():
+                cause = (error.get("ctx") or {}).get("error") if isinstance(error, dict) else None
+                if isinstance(cause, BaseException):
+                    pending.append(cause)
+
+
 def max_body_bytes(max_model_len: int, chars_per_token: int) -> int:
     """The largest request body worth parsing: ``max_model_len`` tokens of the longest vocabulary entry, each
     character escaped to 6 JSON bytes (``\\uXXXX``), 16 bytes per token id (digits, comma, indentation), and 1 MiB for
@@ -101,13 +129,15 @@ class RequestBodyGuard:
     connection error (which ``openai`` retries) instead of the 413.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
-        self.app, self.max_bytes = app, max_bytes
+    def __init__(self, app: ASGIApp, max_bytes: int, max_prompt_tokens: Optional[int] = None) -> None:
+        self.app, self.max_bytes, self.max_prompt_tokens = app, max_bytes, max_prompt_tokens
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
+        # Read by the prompt's validator (protocol.prompt_token_limit), which runs in this task's context.
+        prompt_token_limit.set(self.max_prompt_tokens)
         names = [name for name, _ in scope["headers"]]
         for once in (b"content-type", b"content-length"):
             if names.count(once) > 1:  # this guard and FastAPI would read different ones (the last, the first)
@@ -239,7 +269,7 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     app.state.engine_client, app.state.metrics = engine_client, metrics
     app.state.max_body_bytes = max_body_bytes(completion.max_model_len, completion.max_chars_per_token)
     # Starlette runs the last middleware added first: CORS (answers preflights), then the key, then the body.
-    app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes)
+    app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes, max_prompt_tokens=completion.max_model_len)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     if allowed_origins:
@@ -254,6 +284,7 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     async def _validation_error(_: Request, e: RequestValidationError) -> JSONResponse:
         # Bad JSON (loc ("body", <offset>)) and fields of the wrong type (loc ("body", "<field>", ...)) are 400s,
         # as in vLLM (FastAPI's default is 422). Only the first error is described, its input summarized.
+        _forget_frames(e)
         errors = e.errors()
         first: Any = (errors or [{}])[0]
         loc = [str(x) for x in first.get("loc", ()) if x != "body"]
@@ -271,6 +302,7 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     async def _http_error(_: Request, e: HTTPException) -> JSONResponse:
         # What FastAPI and Starlette refuse themselves: an unknown route (404), a wrong method (405), a body that
         # json.loads raised on other than a JSONDecodeError (not UTF-8, a 5,000-digit int, nesting too deep).
+        _forget_frames(e)
         message = str(e.detail)
         cause = e.__cause__
         if cause is not None:

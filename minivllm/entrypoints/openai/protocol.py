@@ -6,7 +6,9 @@ when ``to_sampling_params`` builds it, so the server and the offline ``LLM`` sha
 
 The fields that can be long (``prompt``, ``messages``, ``stop``, ``stop_token_ids``) are checked first by a plain
 loop that stops at the first bad item: pydantic would report every bad item of a union of lists (1.9 million
-errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string).
+errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string). Inside the server a token-id
+prompt longer than ``max_model_len``, and a conversation of more messages than ``max_model_len``, are refused by
+their length before that loop (``prompt_token_limit``).
 
 The penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``), ``logit_bias``, ``n``,
 ``seed`` (any int64; ``-1`` = none), and logprobs are served as vLLM serves them: completions take ``logprobs``
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from contextvars import ContextVar
 from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -75,6 +78,20 @@ class UsageInfo(OpenAIBaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+
+
+# The serving model's max_model_len while a request body is validated (set per request by api_server's
+# RequestBodyGuard; None outside a server). A token-id prompt longer than it is refused by len() before its ids are
+# checked one by one: a 5 MB body of "1," holds 2.4 million ids, whose checks (ours, then pydantic's list[int])
+# held the event loop 0.45 s. vLLM checks the length after validating the request (``_token_len_check`` in
+# ``vllm/renderers/params.py``); minivllm checks it first, with the same outcome for every request: a 400.
+prompt_token_limit: ContextVar[Optional[int]] = ContextVar("prompt_token_limit", default=None)
+
+
+def _check_prompt_length(ids: Any) -> None:
+    limit = prompt_token_limit.get()
+    if limit is not None and isinstance(ids, list) and len(ids) > limit:
+        raise ValueError(f"prompt length ({len(ids)} tokens) is longer than max_model_len ({limit})")
 
 
 def _first_bad(items: List[Any], ok) -> Optional[int]:
@@ -265,12 +282,15 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value[0], str):
             return _check_strings(value, "prompt")
         if isinstance(value[0], list):
+            for ids in value[:2]:  # one prompt is served; a second is refused as a batch (serving_completion)
+                _check_prompt_length(ids)
             bad = _first_bad(value, lambda x: isinstance(x, list))
             if bad is not None:
                 raise ValueError(f"prompt[{bad}] must be a list of token ids, got {type(value[bad]).__name__}")
             for i, ids in enumerate(value):
                 _check_token_ids(ids, f"prompt[{i}]")
             return value
+        _check_prompt_length(value)
         return _check_token_ids(value, "prompt")
 
     def _max_tokens(self) -> Optional[int]:
@@ -332,6 +352,13 @@ class ChatCompletionRequest(_SamplingRequest):
     @field_validator("messages", mode="before")
     @classmethod
     def _messages(cls, value: Any) -> Any:
+        limit = prompt_token_limit.get()
+        if limit is not None and isinstance(value, list) and len(value) > limit:
+            # Before pydantic builds a ChatMessage for each (0.64 s on the event loop for 160,000) and the
+            # template renders them: a chat template spends at least one token on each message (ChatML, the
+            # GGUF's, three: <|im_start|>, the role, <|im_end|>). vLLM renders them first.
+            raise ValueError(f"{len(value)} messages cannot fit in max_model_len ({limit}) tokens: the chat "
+                             "template spends at least one token on each")
         if isinstance(value, list):
             bad = _first_bad(value, _is_message)
             if bad is not None:
