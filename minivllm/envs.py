@@ -1,9 +1,7 @@
 """Every environment variable minivllm reads, in one place (vLLM: ``vllm/envs.py``).
 
 Each variable is read when it is accessed (``envs.MINIVLLM_CPU_KERNELS``), not at import: a notebook or test that
-sets one before building an engine gets its value, as in vLLM. The one exception is ``MINIVLLM_ONEDNN_PACKING``,
-which ``packed_linear`` copies into its module-level ``ENABLED`` at import, since it is tested on every matmul.
-Nothing here writes to ``os.environ``.
+sets one before building an engine gets its value, as in vLLM. Nothing here writes to ``os.environ``.
 
 * ``MINIVLLM_CPU_KERNELS`` (default ``1``): ``0`` keeps bfloat16 on the CPU on PyTorch operators instead of
   minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is
@@ -15,7 +13,8 @@ Nothing here writes to ``os.environ``.
   in the last bits (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is built, like
   ``MINIVLLM_CPU_KERNELS``, which must also be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
-  ``minivllm.model.packed_linear`` (read once, when that module is imported).
+  ``minivllm.model.packed_linear``. Read when a linear layer is built and when a model is loaded or a model runner
+  is built (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
 * ``MINIVLLM_VLLM_CHECK_MODEL`` (default ``$MINIVLLM_CACHE/vllm_check/SmolLM2-135M-Instruct-float32``): the
   float32 Hugging Face folder that the live vLLM check writes once and both engines load
