@@ -46,6 +46,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.multiprocessing as torch_mp
 
+from minivllm import envs
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.executor.abstract import Executor
@@ -122,11 +123,11 @@ class WorkerProc:
         os._exit(exit_code)
 
 
-_ERROR_FILE_ENV = "MINIVLLM_WORKER_ERROR_FILE"
+_ERROR_FILE_ENV = "MINIVLLM_WORKER_ERROR_FILE"  # registered in minivllm.envs
 
 
 def _report_unguarded_main() -> None:
-    path = os.environ.get(_ERROR_FILE_ENV)
+    path = envs.MINIVLLM_WORKER_ERROR_FILE
     if path:
         try:
             with open(path, "w") as f:
