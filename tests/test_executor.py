@@ -101,3 +101,30 @@ def test_model_runner_handle_names_the_worker_processes_under_tensor_parallelism
     eng.engine_core.model_executor = FakeExecutor()  # what an engine with worker processes has: no driver_worker
     with pytest.raises(AttributeError, match="collective_rpc"):
         eng.model_runner
+
+
+def test_a_step_is_execute_model_then_sample_tokens_as_in_vllm_0_32():
+    """``execute_model`` runs the forward pass and keeps the logits; ``sample_tokens`` samples them (vLLM 0.32's
+    split, ``GPUModelRunner.execute_model`` / ``sample_tokens``). A step with no token returns its output from
+    ``execute_model``."""
+    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=16, enable_prefix_caching=False)
+    ref = LLMEngine("tiny", block_size=4, num_gpu_blocks=16, enable_prefix_caching=False)
+    for e in (eng, ref):
+        e.add_request("r", [5, 6, 7, 8, 9], GREEDY)
+    executor, runner = eng.engine_core.model_executor, eng.model_runner
+    so = eng.scheduler.schedule()
+    assert executor.execute_model(so) is None
+    assert runner.execute_model_state is not None and runner.execute_model_state.logits.shape == (1, eng.hf_config.vocab_size)
+    with pytest.raises(RuntimeError, match="before sample_tokens"):
+        executor.execute_model(so)
+    with pytest.raises(ValueError, match="grammar_output must be None"):
+        executor.sample_tokens(object())
+    out = executor.sample_tokens(None)
+    assert runner.execute_model_state is None and out.req_ids == ["r"]
+    eng.scheduler.update_from_output(so, out)
+    with pytest.raises(RuntimeError, match="needs a step run by execute_model"):
+        executor.sample_tokens(None)
+    assert out.sampled_token_ids == [ref.engine_core.step().outputs[0].new_token_ids]  # the engine's own step
+    assert eng.run_to_completion()["r"].outputs[0].token_ids == ref.run_to_completion()["r"].outputs[0].token_ids
+    empty = eng.scheduler.schedule()  # nothing left: the step's output comes from execute_model
+    assert empty.total_num_scheduled_tokens == 0 and executor.execute_model(empty).sampled_token_ids == []

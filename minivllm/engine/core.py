@@ -1,6 +1,7 @@
 """The engine core: scheduler + model runner, one step at a time (vLLM: ``vllm/v1/engine/core.py``).
 
-``EngineCore.step()`` is vLLM's: ``schedule()`` -> ``execute_model()`` -> ``update_from_output()``. It knows
+``EngineCore.step()`` is vLLM's: ``schedule()`` -> ``execute_model()`` -> ``sample_tokens()`` ->
+``update_from_output()``. It knows
 nothing of text: detokenization and stop strings happen in the ``OutputProcessor``, above it.
 
 Where minivllm differs from vLLM:
@@ -148,7 +149,7 @@ class EngineCore:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         scheduler_output = self._schedule()
-        model_output = self.model_executor.execute_model(scheduler_output)
+        model_output = self._execute(scheduler_output)
         return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output),
                                  self.scheduler.make_stats())
 
@@ -159,7 +160,7 @@ class EngineCore:
         queue = self.batch_queue
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
-            queue.appendleft((scheduler_output, self.model_executor.execute_model(scheduler_output)))
+            queue.appendleft((scheduler_output, self._execute(scheduler_output)))
             executed = scheduler_output.total_num_scheduled_tokens > 0
             if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_unfinished_requests()):
                 return EngineCoreOutputs([], self.scheduler.make_stats())
@@ -171,6 +172,15 @@ class EngineCore:
             # that no step is left behind (vLLM's busy loop would do so at once).
             outputs += self.scheduler.update_from_output(*queue.pop())
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> "ModelRunnerOutput":
+        """vLLM 0.32's two calls: ``execute_model`` (the forward pass), then, unless it returned the step's output
+        already (a step with no token), ``sample_tokens``. vLLM passes it the structured-output bitmask
+        (``scheduler.get_grammar_bitmask``); minivllm has no structured output."""
+        model_output = self.model_executor.execute_model(scheduler_output)
+        if model_output is None:
+            model_output = self.model_executor.sample_tokens(None)
+        return model_output
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

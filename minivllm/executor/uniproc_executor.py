@@ -55,6 +55,9 @@ class UniProcExecutor(Executor):
     def execute_model(self, scheduler_output):
         return self.driver_worker.execute_model(scheduler_output)
 
+    def sample_tokens(self, grammar_output=None):
+        return self.driver_worker.sample_tokens(grammar_output)
+
     def shutdown(self) -> None:
         self.driver_worker.shutdown()
 

@@ -10,7 +10,8 @@ Every executor drives its workers through the same calls, in vLLM's order (``Eng
     get_kv_cache_spec()            what one block of this rank's cache holds (its page size)
     initialize_from_config(n)      allocate n blocks per layer (the engine took the minimum over the ranks)
     compile_or_warm_up_model()     capture the CUDA graphs, at start-up
-    execute_model(scheduler_output), once a step
+    execute_model(scheduler_output)  once a step: the forward pass (returns None, or an empty step's output)
+    sample_tokens(None)              then: sample the step (vLLM 0.32 passes the structured-output bitmask here)
 
 Under tensor parallelism every rank receives the same ``SchedulerOutput`` each step and runs the same step; the
 collectives inside the layers keep them in lockstep, and every rank samples the same tokens (the logits are
@@ -143,9 +144,15 @@ class Worker:
         assert self.model_runner is not None, "load_model() first"
         self.model_runner.capture_model(self.vllm_config.scheduler_config.max_num_seqs)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """The step's forward pass (``ModelRunnerBase.execute_model``): ``None``, or an empty step's output."""
         assert self.model_runner is not None, "load_model() first"
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
+        """Sample the step ``execute_model`` ran (``ModelRunnerBase.sample_tokens``)."""
+        assert self.model_runner is not None, "load_model() first"
+        return self.model_runner.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:
         if self._distributed:
