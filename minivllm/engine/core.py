@@ -30,7 +30,7 @@ Where minivllm differs from vLLM:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Protocol, Tuple
 
 from minivllm.config import VllmConfig, max_model_len_error
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -66,16 +66,21 @@ class EngineCore:
     Args:
         vllm_config: the config from ``EngineArgs.create_engine_config()``; ``cache_config.num_gpu_blocks`` (and
             a defaulted ``max_model_len``) are set here once the workers have measured their memory.
+        model: minivllm only: a ``LlamaForCausalLM`` already built, which the executor's worker takes instead of
+            loading (one device only).
+        kv_connector: minivllm only: the ``KVConnectorBase`` object (its scheduler side here, its worker side in
+            the worker); vLLM builds it from ``kv_transfer_config``, which here only names it.
 
     Raises:
         ValueError: when the KV pool cannot hold one request of ``max_model_len`` tokens; the executor's
             workers are stopped first.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, model: Any = None, kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
+        self.kv_connector = kv_connector
         executor_class = get_executor_class(vllm_config)
-        self.model_executor: Executor = executor_class(vllm_config)
+        self.model_executor: Executor = executor_class(vllm_config, model=model, kv_connector=kv_connector)
         try:
             num_gpu_blocks = self._initialize_kv_caches(vllm_config)
         except BaseException:
@@ -85,7 +90,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching, sched.watermark)
         scheduler_cls = sched.scheduler_cls or (AsyncScheduler if sched.async_scheduling else Scheduler)
-        self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
+        self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, kv_connector)
         self.step_observers: List[StepObserver] = []
         # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
         self.batch_queue_size = 2 if sched.async_scheduling else 1

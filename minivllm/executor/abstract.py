@@ -32,10 +32,13 @@ class Executor:
 
     Args:
         vllm_config: the engine's config; sent to the workers as it is.
+        model, kv_connector: minivllm only: a built ``LlamaForCausalLM`` and a ``KVConnectorBase`` object handed
+            to the engine, for the worker in this process (``UniProcExecutor``); objects, so never in the config.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, model: Any = None, kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
+        self.model, self.kv_connector = model, kv_connector
         self._init_executor()
 
     def _init_executor(self) -> None:

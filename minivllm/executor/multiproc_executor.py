@@ -168,6 +168,9 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         vllm_config = self.vllm_config
+        if self.model is not None or self.kv_connector is not None:
+            # EngineArgs refuses both with tensor_parallel_size > 1; objects do not travel to worker processes.
+            raise ValueError("MultiprocExecutor takes no built model and no KV connector: each worker loads its share")
         if _spawned_child_importing_main():
             # Starting workers from here would recurse; multiprocessing would raise its own, vaguer error.
             _report_unguarded_main()
