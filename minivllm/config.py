@@ -270,9 +270,10 @@ class ModelConfig:
         dtype: the ``torch.dtype`` of the weights and the KV cache (``None`` until ``EngineArgs`` resolves it).
         max_model_len: the ``max_model_len`` the user asked for, or ``None``: then ``SchedulerConfig.max_model_len``
             is the model's context length, capped at the KV pool's capacity once the pool is sized.
-        model_instance: minivllm only: a ``LlamaForCausalLM`` handed to the engine already built (the notebooks
-            share one loaded model between several engines); the ``Worker`` uses it instead of loading. It never
-            travels to worker processes: ``tensor_parallel_size > 1`` refuses a built model.
+
+    A ``LlamaForCausalLM`` handed to the engine already built (the notebooks share one loaded model between
+    several engines; minivllm only) is not part of the config: ``model`` is then ``"<model instance>"`` and the
+    object goes from ``LLMEngine`` to ``EngineCore``, its executor and the ``Worker`` as an argument.
     """
 
     model: str
@@ -280,7 +281,21 @@ class ModelConfig:
     tokenizer: Optional[str] = None
     dtype: Any = None
     max_model_len: Optional[int] = None
-    model_instance: Any = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class KVTransferConfig:
+    """That the engine has a KV connector, and which (vLLM: ``vllm/config/kv_transfer.py``, ``KVTransferConfig``).
+
+    Args:
+        kv_connector: the connector's class name (vLLM's field: there, the name vLLM builds the connector from).
+
+    Where minivllm differs from vLLM: the connector object is handed to the engine (``EngineArgs.kv_connector``,
+    so that the course can pass its own) and goes to the scheduler and the worker as an argument; the config
+    keeps only its name, so that it stays settings only.
+    """
+
+    kv_connector: str
 
 
 @dataclass(frozen=True)
@@ -288,7 +303,7 @@ class VllmConfig:
     """Every setting of one engine, resolved and validated (vLLM: ``VllmConfig`` in ``vllm/config/vllm.py``).
 
     Built once by ``EngineArgs.create_engine_config()`` without loading anything, and sent to worker processes as
-    it is. As in vLLM, ``EngineCore`` fills in ``cache_config.num_gpu_blocks`` (and, when the user left
+    it is: settings only, no model, tokenizer or connector object. As in vLLM, ``EngineCore`` fills in ``cache_config.num_gpu_blocks`` (and, when the user left
     ``max_model_len`` unset, caps ``scheduler_config.max_model_len`` at the pool's capacity) after the workers
     have measured their memory; nothing else changes it afterwards.
 
@@ -297,8 +312,7 @@ class VllmConfig:
         cache_config / scheduler_config / parallel_config: as above.
         device: the ``torch.device`` of the weights and the KV cache.
         seed: seed of the generator shared by requests without a seed of their own.
-        kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``, from which vLLM
-            builds the connector itself; minivllm takes the object so the course can hand in its own).
+        kv_transfer_config: ``KVTransferConfig`` when the engine has a KV connector, else ``None``.
         attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
             and dtype) and whether CUDA graphs are off, as in vLLM.
         hf_config, dtype: shorthands for ``model_config.hf_config`` and ``model_config.dtype``.
@@ -311,7 +325,7 @@ class VllmConfig:
     load_config: LoadConfig = field(default_factory=LoadConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
-    kv_connector: Any = None
+    kv_transfer_config: Optional[KVTransferConfig] = None
     attention_backend: Optional[str] = None
     enforce_eager: bool = False
 

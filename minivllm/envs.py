@@ -1,9 +1,7 @@
 """Every environment variable minivllm reads, in one place (vLLM: ``vllm/envs.py``).
 
 Each variable is read when it is accessed (``envs.MINIVLLM_CPU_KERNELS``), not at import: a notebook or test that
-sets one before building an engine gets its value, as in vLLM. The one exception is ``MINIVLLM_ONEDNN_PACKING``,
-which ``packed_linear`` copies into its module-level ``ENABLED`` at import, since it is tested on every matmul.
-Nothing here writes to ``os.environ``.
+sets one before building an engine gets its value, as in vLLM. Nothing here writes to ``os.environ``.
 
 * ``MINIVLLM_CPU_KERNELS`` (default ``1``): ``0`` keeps bfloat16 on the CPU on PyTorch operators instead of
   minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is
@@ -15,11 +13,15 @@ Nothing here writes to ``os.environ``.
   in the last bits (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is built, like
   ``MINIVLLM_CPU_KERNELS``, which must also be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
-  ``minivllm.model.packed_linear`` (read once, when that module is imported).
+  ``minivllm.model.packed_linear``. Read when a linear layer is built and when a model is loaded or a model runner
+  is built (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
 * ``MINIVLLM_VLLM_CHECK_MODEL`` (default ``$MINIVLLM_CACHE/vllm_check/SmolLM2-135M-Instruct-float32``): the
   float32 Hugging Face folder that the live vLLM check writes once and both engines load
   (``minivllm.bench.vllm_check.model_folder``).
+* ``MINIVLLM_WORKER_ERROR_FILE`` (internal, unset by default): not a setting. ``MultiprocExecutor`` sets it for each
+  worker process it spawns, to the file where a worker that dies while it re-imports an unguarded main script
+  leaves its reason (``minivllm.executor.multiproc_executor``); read in that worker.
 * ``VLLM_USE_V2_MODEL_RUNNER`` (vLLM's own name, unset by default): ``1`` chooses Model Runner V2, ``0`` the V1
   runner, for an engine built without an explicit ``model_runner`` argument. Unset, minivllm uses V1 (vLLM 0.32
   would choose V2 where Triton runs, see ``SchedulerConfig``). Read when the engine's config is created.
@@ -60,6 +62,7 @@ environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CACHE": lambda: os.environ.get(
         "MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
     ),
+    "MINIVLLM_WORKER_ERROR_FILE": lambda: os.environ.get("MINIVLLM_WORKER_ERROR_FILE") or None,
     "MINIVLLM_VLLM_CHECK_MODEL": lambda: os.environ.get("MINIVLLM_VLLM_CHECK_MODEL") or os.path.join(
         environment_variables["MINIVLLM_CACHE"](), "vllm_check", "SmolLM2-135M-Instruct-float32"
     ),

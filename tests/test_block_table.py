@@ -41,6 +41,19 @@ def test_batch_slot_mapping_equals_the_one_request_formula():
     assert slots == expected == [8, 9, 10, 11, 36, 37, 46, 16, 17, 18]
 
 
+def test_the_slot_mapping_has_one_name_for_one_request_and_for_a_batch():
+    """Issue 24: block_table.py wrote the formula under three names (slot_mapping_of, compute_slot_mapping and
+    BlockTable.compute_slot_mapping); now vLLM's name only, one function for one request and for a batch."""
+    from minivllm.worker import block_table
+
+    table = np.array([[7, 2, 9], [1, 11, 0]], dtype=np.int64)
+    positions, req_indices = np.array([4, 9, 6, 0]), np.array([0, 0, 1, 1])
+    slots = compute_slot_mapping(table, positions, 4, req_indices)
+    assert slots.dtype == np.int64 and slots.tolist() == [8, 37, 46, 4]
+    assert compute_slot_mapping([7, 2, 9], [4, 9], 4) == [8, 37]
+    assert [n for n in vars(block_table) if "slot_mapping" in n] == ["compute_slot_mapping"]
+
+
 def test_one_request_slot_mapping_rejects_positions_past_its_blocks():
     with pytest.raises(IndexError):
         compute_slot_mapping([7, 2], [8], 4)

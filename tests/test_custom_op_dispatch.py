@@ -75,3 +75,29 @@ def test_forward_cpu_falls_back_for_inputs_its_kernel_does_not_take(monkeypatch,
     with torch.no_grad():
         norm(xb)
     assert calls["rms_norm"] == 1
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="this PyTorch has no oneDNN")
+def test_onednn_packing_is_read_when_the_model_is_built_not_at_import(monkeypatch):
+    """``MINIVLLM_ONEDNN_PACKING`` is read as ``envs.py`` says every variable is: when it is used (a layer built, a
+    model loaded), not once when ``packed_linear`` was imported; ``packed_linear.ENABLED`` stays the course's switch
+    for every layer at once (notebook 09)."""
+    from minivllm.model import packed_linear
+
+    x = torch.randn(4, 64)  # float32 rows in FP32_PACKED_TOKENS: the packed path exists on any oneDNN CPU
+
+    def packs(layer):
+        layer._packed_weight.set_float32(True)
+        with torch.no_grad():  # the packed op has no backward
+            return layer._packed_weight.usable(x, layer.weight)
+
+    monkeypatch.delenv("MINIVLLM_ONEDNN_PACKING", raising=False)
+    assert packs(packed_linear.Linear(64, 32))
+    monkeypatch.setenv("MINIVLLM_ONEDNN_PACKING", "0")  # set after the module was imported
+    assert not packs(packed_linear.Linear(64, 32))
+    model = build_tiny_model(dtype=torch.bfloat16)  # the loader sets the dispatch: every packed weight reads it
+    assert not any(m._packed_weight.enabled for m in model.modules() if hasattr(m, "_packed_weight"))
+    monkeypatch.setenv("MINIVLLM_ONEDNN_PACKING", "1")
+    layer = packed_linear.Linear(64, 32)
+    monkeypatch.setattr(packed_linear, "ENABLED", False)
+    assert not packs(layer)

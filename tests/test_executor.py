@@ -37,7 +37,7 @@ def test_executor_class_per_backend():
 def test_config_holds_settings_only_and_pickles_as_it_is():
     config = EngineArgs(None, max_model_len=256).create_engine_config()  # SmolLM2: its file is read, not loaded
     assert not hasattr(config, "model") and not hasattr(config, "tokenizer")
-    assert config.model_config.model_instance is None and config.cache_config.num_gpu_blocks is None
+    assert config.cache_config.num_gpu_blocks is None
     assert config.dtype == torch.float32 and config.hf_config.num_hidden_layers == 30
     again = pickle.loads(pickle.dumps(config))
     assert again.model_config == config.model_config and again.scheduler_config == config.scheduler_config
@@ -101,3 +101,65 @@ def test_model_runner_handle_names_the_worker_processes_under_tensor_parallelism
     eng.engine_core.model_executor = FakeExecutor()  # what an engine with worker processes has: no driver_worker
     with pytest.raises(AttributeError, match="collective_rpc"):
         eng.model_runner
+
+
+def test_a_step_is_execute_model_then_sample_tokens_as_in_vllm_0_32():
+    """``execute_model`` runs the forward pass and keeps the logits; ``sample_tokens`` samples them (vLLM 0.32's
+    split, ``GPUModelRunner.execute_model`` / ``sample_tokens``). A step with no token returns its output from
+    ``execute_model``."""
+    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=16, enable_prefix_caching=False)
+    ref = LLMEngine("tiny", block_size=4, num_gpu_blocks=16, enable_prefix_caching=False)
+    for e in (eng, ref):
+        e.add_request("r", [5, 6, 7, 8, 9], GREEDY)
+    executor, runner = eng.engine_core.model_executor, eng.model_runner
+    so = eng.scheduler.schedule()
+    assert executor.execute_model(so) is None
+    assert runner.execute_model_state is not None and runner.execute_model_state.logits.shape == (1, eng.hf_config.vocab_size)
+    with pytest.raises(RuntimeError, match="before sample_tokens"):
+        executor.execute_model(so)
+    with pytest.raises(ValueError, match="grammar_output must be None"):
+        executor.sample_tokens(object())
+    out = executor.sample_tokens(None)
+    assert runner.execute_model_state is None and out.req_ids == ["r"]
+    eng.scheduler.update_from_output(so, out)
+    with pytest.raises(RuntimeError, match="needs a step run by execute_model"):
+        executor.sample_tokens(None)
+    assert out.sampled_token_ids == [ref.engine_core.step().outputs[0].new_token_ids]  # the engine's own step
+    assert eng.run_to_completion()["r"].outputs[0].token_ids == ref.run_to_completion()["r"].outputs[0].token_ids
+    empty = eng.scheduler.schedule()  # nothing left: the step's output comes from execute_model
+    assert empty.total_num_scheduled_tokens == 0 and executor.execute_model(empty).sampled_token_ids == []
+
+
+def _objects_in(obj, path="config"):
+    """``(path, object)`` for every value under a config that is not a setting (a module, a connector, ...)."""
+    import dataclasses
+
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            yield from _objects_in(getattr(obj, f.name), f"{path}.{f.name}")
+    elif isinstance(obj, (list, tuple)):
+        for i, v in enumerate(obj):
+            yield from _objects_in(v, f"{path}[{i}]")
+    elif isinstance(obj, dict):
+        for k, v in obj.items():
+            yield from _objects_in(v, f"{path}[{k!r}]")
+    elif not (obj is None or isinstance(obj, (str, int, float, bool, torch.dtype, torch.device, type))):
+        yield path, obj
+
+
+def test_a_built_model_and_a_connector_stay_out_of_the_config():
+    """Issue 24: the config holds settings only. A model handed in built and a KV connector object go to the
+    worker and the scheduler as arguments; the config names the connector (vLLM's kv_transfer_config)."""
+    from minivllm.distributed.kv_transfer.offload_connector import OffloadConnector
+    from minivllm.model.loader import build_tiny_model
+
+    model = build_tiny_model(tiny_llama_config())
+    conn = OffloadConnector(4)
+    eng = LLMEngine(model, num_gpu_blocks=16, block_size=4, kv_connector=conn)
+    assert list(_objects_in(eng.vllm_config)) == []
+    assert list(_objects_in(EngineArgs(model, kv_connector=conn, num_gpu_blocks=8).create_engine_config())) == []
+    assert eng.vllm_config.kv_transfer_config.kv_connector == "OffloadConnector"
+    assert eng.model is model and eng.model_runner.connector is conn and eng.scheduler.connector is conn
+    assert eng.engine_core.kv_connector is eng.kv_connector is conn
+    eng.add_request("r", [5, 6, 7, 8, 9], GREEDY)
+    assert len(eng.run_to_completion()["r"].outputs[0].token_ids) == 4

@@ -13,6 +13,7 @@ function (a lazy import), or under ``if TYPE_CHECKING:`` (a type-level import st
 from __future__ import annotations
 
 import ast
+import re
 import os
 import subprocess
 import sys
@@ -189,3 +190,36 @@ def test_low_layers_do_not_load_torch_or_tqdm(module):
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=ROOT, check=True)
     assert out.stdout.strip() == "[]", f"importing {module} loads {out.stdout.strip()}"
+
+
+def _minivllm_env_names(path: Path) -> Set[str]:
+    """Every string constant of the file that is a ``MINIVLLM_*`` variable name (docstrings are whole sentences
+    and do not match)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    return {n.value for n in ast.walk(tree)
+            if isinstance(n, ast.Constant) and isinstance(n.value, str) and re.fullmatch(r"MINIVLLM_[A-Z0-9_]+", n.value)}
+
+
+def test_envs_registers_every_minivllm_variable_the_package_names():
+    """``minivllm/envs.py`` says it lists every variable minivllm reads (issue 24: ``MINIVLLM_VLLM_CHECK_MODEL`` and
+    the executor's ``MINIVLLM_WORKER_ERROR_FILE`` were read but not listed)."""
+    from minivllm import envs
+
+    named = {name: str(p.relative_to(ROOT)) for m, p in MODULES.items() if m != "minivllm.envs"
+             for name in _minivllm_env_names(p)}
+    assert "MINIVLLM_CPU_KERNELS" in named  # the scan finds names (bench/gpu_check.py sets this one)
+    missing = {n: f for n, f in named.items() if n not in envs.environment_variables}
+    assert not missing, f"MINIVLLM_* variables named in the package but not registered in envs.py: {missing}"
+    doc = envs.__doc__ or ""
+    assert all(f"``{n}``" in doc for n in envs.environment_variables), "envs.py's docstring must describe each"
+
+
+def test_model_runner_v1_does_not_import_v2():
+    """Model Runner V2 sits beside V1 (issue 24): V2 may use what the runners share (``model_runner_base``,
+    ``sampler``, ``input_batch``), V1's modules import nothing of ``worker/v2``; only the ``Worker``, which chooses
+    the runner once, imports both."""
+    bad = [f"{_where(m, line)} imports {t}" for m, imps in GRAPH.items()
+           if m.startswith("minivllm.worker.") and not m.startswith("minivllm.worker.v2") and m != "minivllm.worker.worker"
+           for line, t in imps if t.startswith("minivllm.worker.v2")]
+    assert not bad, "V1 must not import V2:\n" + "\n".join(bad)
+    assert any(t == "minivllm.worker.v2.model_runner" for _, t in GRAPH["minivllm.worker.worker"])

@@ -299,3 +299,49 @@ def test_traced_engine_records_the_same_inputs_with_tensor_parallelism():
     two.shutdown()
     assert [r.inputs for r in traces[0]] == [r.inputs for r in traces[1]]
     assert traces[0][0].inputs["slot_mapping"][:4] == list(range(4))
+
+
+def test_a_worker_that_fails_to_start_reports_its_own_traceback():
+    """A rank that raises while it loads its share sends its traceback to the engine, which raises it (not only
+    an exit code) and stops every rank (issue 24: "print its own error, not only its exit code")."""
+    import dataclasses
+
+    from minivllm.engine.arg_utils import EngineArgs
+    from minivllm.executor.multiproc_executor import MultiprocExecutor
+
+    config = EngineArgs("tiny", tensor_parallel_size=2, num_gpu_blocks=8).create_engine_config()
+    config.model_config.model = "/nonexistent/minivllm-test.gguf"  # the workers load it; the config was built
+    config = dataclasses.replace(config, load_config=dataclasses.replace(config.load_config, load_format="gguf"))
+    with pytest.raises(RuntimeError, match=r"(?s)worker failed during start: rank \d \(pid \d+\):\nTraceback .*"
+                                           r"in load_model.*FileNotFoundError.*minivllm-test\.gguf") as e:
+        MultiprocExecutor(config)
+    assert "all 2 worker processes were stopped" in str(e.value)
+
+
+def test_torchrun_ranks_give_the_tokens_of_one_device(tmp_path):
+    """The third construction path (``ExecutorWithExternalLauncher``): two ranks started by ``torchrun``, each
+    running the whole engine, give the greedy tokens of a one-device engine."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from minivllm.executor.multiproc_executor import get_open_port
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
+    if torchrun is None:
+        pytest.skip("torchrun is not installed")
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    out = subprocess.run([torchrun, "--nproc-per-node=2", f"--master-port={get_open_port()}", "-m",
+                          "minivllm.entrypoints.torchrun_generate", "--model", "tiny-tp", "--tensor-parallel-size",
+                          "2", "--max-tokens", "8", "--prompt", "1,2,3,4,5", "--prompt", "7,8,9"],
+                         capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = [json.loads(line)["token_ids"] for line in out.stdout.splitlines() if line.startswith("{")]
+    one = LLMEngine("tiny-tp")
+    for i, p in enumerate([[1, 2, 3, 4, 5], [7, 8, 9]]):
+        one.add_request(str(i), p, SamplingParams(temperature=0.0, max_tokens=8))
+    ref = one.run_to_completion()
+    assert got == [list(ref[str(i)].outputs[0].token_ids) for i in range(2)] and len(got[0]) == 8

@@ -2,7 +2,7 @@
 communication on every rank.
 
 The timers run inside the worker processes: ``MultiprocExecutor.collective_rpc(install_step_timer)`` wraps the
-worker's ``execute_model`` and ``torch.distributed``'s ``all_reduce`` / ``all_gather`` (which the parallel layers
+worker's ``execute_model`` and ``sample_tokens`` (one step) and ``torch.distributed``'s ``all_reduce`` / ``all_gather`` (which the parallel layers
 call through ``minivllm.distributed.communication_op``) with ``time.perf_counter`` accumulators;
 ``collective_rpc(read_step_timer)`` returns and resets them. Communication time on a rank includes the time it
 waits for the slowest rank to reach the collective.
@@ -21,14 +21,16 @@ from minivllm.distributed import parallel_state
 _TIMES: Dict[str, float] = {}
 
 
-def _timed(name: str, fn):
+def _timed(name: str, fn, count: bool = True):
+    """``fn`` adding its time to ``name_s`` and, when ``count``, one to ``name_calls``."""
     def wrapper(*args, **kwargs):
         t = time.perf_counter()
         try:
             return fn(*args, **kwargs)
         finally:
             _TIMES[name + "_s"] = _TIMES.get(name + "_s", 0.0) + time.perf_counter() - t
-            _TIMES[name + "_calls"] = _TIMES.get(name + "_calls", 0) + 1
+            if count:
+                _TIMES[name + "_calls"] = _TIMES.get(name + "_calls", 0) + 1
     wrapper.minivllm_timed = True  # not __wrapped__: torch's decorators (functools.wraps) already set that
     return wrapper
 
@@ -37,7 +39,9 @@ def install_step_timer(worker_or_runner) -> None:
     """Time every step and every collective of this process from now on (a ``Worker`` in a worker process, or
     the ``ModelRunner`` of a single-device engine: then there are no collectives)."""
     if not getattr(worker_or_runner.execute_model, "minivllm_timed", False):
+        # A step is execute_model (the forward pass, counted) and then sample_tokens (its time only).
         worker_or_runner.execute_model = _timed("step", worker_or_runner.execute_model)
+        worker_or_runner.sample_tokens = _timed("step", worker_or_runner.sample_tokens, count=False)
     for name in ("all_reduce", "all_gather"):
         if not getattr(getattr(dist, name), "minivllm_timed", False):
             setattr(dist, name, _timed(name, getattr(dist, name)))

@@ -176,7 +176,7 @@ class SchedulerTrace:
         li = _last_inputs(engine_core) if self.record_inputs and self._num_scheduled else None
         if li is not None:
             record.inputs = {f: list(li.req_ids) if f == "req_ids" else getattr(li, f).tolist() for f in _INPUT_FIELDS}
-        take_calls = getattr(engine_core.vllm_config.kv_connector, "take_step_calls", None)  # a RecordingConnector
+        take_calls = getattr(engine_core.kv_connector, "take_step_calls", None)  # a RecordingConnector
         if take_calls is not None:
             record.connector_calls = take_calls()
         for o in request_outputs:

@@ -14,8 +14,8 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from minivllm import envs
-from minivllm.config import (CacheConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig, VllmConfig,
-                             max_model_len_error)
+from minivllm.config import (CacheConfig, KVTransferConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
+                             VllmConfig, max_model_len_error)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -176,6 +176,13 @@ class EngineArgs:
             raise ValueError(f"model_runner must be 'v1' or 'v2' (or None), got {runner!r}")
         return runner
 
+    def given_model(self) -> Any:
+        """The ``LlamaForCausalLM`` handed in as ``model``, else ``None`` (it goes to the ``Worker`` as an
+        argument, not in the config)."""
+        from minivllm.model.llama import LlamaForCausalLM
+
+        return self.model if isinstance(self.model, LlamaForCausalLM) else None
+
     def create_engine_config(self) -> VllmConfig:
         """Resolve every default and validate: the one place an engine's settings are decided. Nothing is
         loaded: the model file is read for its architecture only (the ``Worker`` loads the weights, the
@@ -241,7 +248,8 @@ class EngineArgs:
         cache_config.verify()
         return VllmConfig(
             model_config=model_config, cache_config=cache_config, scheduler_config=scheduler_config, device=device,
-            load_config=load_config, parallel_config=parallel_config, seed=seed, kv_connector=self.kv_connector,
+            load_config=load_config, parallel_config=parallel_config, seed=seed,
+            kv_transfer_config=None if self.kv_connector is None else KVTransferConfig(type(self.kv_connector).__name__),
             attention_backend=self.attention_backend, enforce_eager=self.enforce_eager,
         )
 
@@ -264,8 +272,7 @@ class EngineArgs:
                 raise ValueError(f"tensor_parallel_size ({n}) > 1 needs model as a name or path (each worker loads "
                                  "its own share of the weights), not a built LlamaForCausalLM")
             dtype = next(self.model.parameters()).dtype
-            return (ModelConfig("<model instance>", self.model.config, dtype=dtype, model_instance=self.model),
-                    LoadConfig("dummy", 0))
+            return ModelConfig("<model instance>", self.model.config, dtype=dtype), LoadConfig("dummy", 0)
         if n > 1 and self.kv_connector is not None:
             raise ValueError(f"kv_connector is not supported with tensor_parallel_size ({n}) > 1 in minivllm")
         model_config, load_config = create_model_and_load_config(self.model, self.load_format)

@@ -1,6 +1,7 @@
 """The engine core: scheduler + model runner, one step at a time (vLLM: ``vllm/v1/engine/core.py``).
 
-``EngineCore.step()`` is vLLM's: ``schedule()`` -> ``execute_model()`` -> ``update_from_output()``. It knows
+``EngineCore.step()`` is vLLM's: ``schedule()`` -> ``execute_model()`` -> ``sample_tokens()`` ->
+``update_from_output()``. It knows
 nothing of text: detokenization and stop strings happen in the ``OutputProcessor``, above it.
 
 Where minivllm differs from vLLM:
@@ -29,7 +30,7 @@ Where minivllm differs from vLLM:
 from __future__ import annotations
 
 from collections import deque
-from typing import TYPE_CHECKING, Deque, Iterable, List, Protocol, Tuple
+from typing import TYPE_CHECKING, Any, Deque, Iterable, List, Protocol, Tuple
 
 from minivllm.config import VllmConfig, max_model_len_error
 from minivllm.core.kv_cache_manager import KVCacheManager
@@ -65,16 +66,21 @@ class EngineCore:
     Args:
         vllm_config: the config from ``EngineArgs.create_engine_config()``; ``cache_config.num_gpu_blocks`` (and
             a defaulted ``max_model_len``) are set here once the workers have measured their memory.
+        model: minivllm only: a ``LlamaForCausalLM`` already built, which the executor's worker takes instead of
+            loading (one device only).
+        kv_connector: minivllm only: the ``KVConnectorBase`` object (its scheduler side here, its worker side in
+            the worker); vLLM builds it from ``kv_transfer_config``, which here only names it.
 
     Raises:
         ValueError: when the KV pool cannot hold one request of ``max_model_len`` tokens; the executor's
             workers are stopped first.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, model: Any = None, kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
+        self.kv_connector = kv_connector
         executor_class = get_executor_class(vllm_config)
-        self.model_executor: Executor = executor_class(vllm_config)
+        self.model_executor: Executor = executor_class(vllm_config, model=model, kv_connector=kv_connector)
         try:
             num_gpu_blocks = self._initialize_kv_caches(vllm_config)
         except BaseException:
@@ -84,7 +90,7 @@ class EngineCore:
         self.kv_cache_manager = KVCacheManager(num_gpu_blocks, cache.block_size, sched.max_model_len,
                                                cache.enable_prefix_caching, sched.watermark)
         scheduler_cls = sched.scheduler_cls or (AsyncScheduler if sched.async_scheduling else Scheduler)
-        self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, vllm_config.kv_connector)
+        self.scheduler: Scheduler = scheduler_cls(sched, self.kv_cache_manager, kv_connector)
         self.step_observers: List[StepObserver] = []
         # Steps scheduled and run whose output is not processed yet (async scheduling; vLLM's batch_queue).
         self.batch_queue_size = 2 if sched.async_scheduling else 1
@@ -148,7 +154,7 @@ class EngineCore:
         if self.batch_queue_size > 1:
             return self.step_with_batch_queue()
         scheduler_output = self._schedule()
-        model_output = self.model_executor.execute_model(scheduler_output)
+        model_output = self._execute(scheduler_output)
         return EngineCoreOutputs(self.scheduler.update_from_output(scheduler_output, model_output),
                                  self.scheduler.make_stats())
 
@@ -159,7 +165,7 @@ class EngineCore:
         queue = self.batch_queue
         if self.scheduler.has_unfinished_requests():
             scheduler_output = self._schedule()
-            queue.appendleft((scheduler_output, self.model_executor.execute_model(scheduler_output)))
+            queue.appendleft((scheduler_output, self._execute(scheduler_output)))
             executed = scheduler_output.total_num_scheduled_tokens > 0
             if len(queue) < self.batch_queue_size and (executed or self.scheduler.has_unfinished_requests()):
                 return EngineCoreOutputs([], self.scheduler.make_stats())
@@ -171,6 +177,15 @@ class EngineCore:
             # that no step is left behind (vLLM's busy loop would do so at once).
             outputs += self.scheduler.update_from_output(*queue.pop())
         return EngineCoreOutputs(outputs, self.scheduler.make_stats())
+
+    def _execute(self, scheduler_output: SchedulerOutput) -> "ModelRunnerOutput":
+        """vLLM 0.32's two calls: ``execute_model`` (the forward pass), then, unless it returned the step's output
+        already (a step with no token), ``sample_tokens``. vLLM passes it the structured-output bitmask
+        (``scheduler.get_grammar_bitmask``); minivllm has no structured output."""
+        model_output = self.model_executor.execute_model(scheduler_output)
+        if model_output is None:
+            model_output = self.model_executor.sample_tokens(None)
+        return model_output
 
     def _schedule(self) -> SchedulerOutput:
         scheduler_output = self.scheduler.schedule()

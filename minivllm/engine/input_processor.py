@@ -42,7 +42,7 @@ class InputProcessor:
         cache = vllm_config.cache_config
         assert cache.num_gpu_blocks is not None  # set by EngineCore._initialize_kv_caches
         self.block_size, self.num_gpu_blocks = cache.block_size, cache.num_gpu_blocks
-        caching_or_connector = cache.enable_prefix_caching or vllm_config.kv_connector is not None
+        caching_or_connector = cache.enable_prefix_caching or vllm_config.kv_transfer_config is not None
         self._block_hasher: Optional[Callable] = get_request_block_hasher(self.block_size) if caching_or_connector else None
         tok_eos = getattr(self.tokenizer, "eos_token_id", None) if self.tokenizer is not None else None
         self.eos_token_id: Optional[int] = tok_eos if tok_eos is not None else vllm_config.hf_config.eos_token_id

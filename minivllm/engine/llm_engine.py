@@ -54,19 +54,20 @@ class LLMEngine:
     """
 
     def __init__(self, model=None, **engine_kwargs) -> None:
-        config = EngineArgs(model, **engine_kwargs).create_engine_config()
+        args = EngineArgs(model, **engine_kwargs)
+        config = args.create_engine_config()
         self.vllm_config = config
         self.model_config, self.cache_config, self.scheduler_config = (
             config.model_config, config.cache_config, config.scheduler_config)
         self.hf_config = config.hf_config
         self.dtype, self.device = config.dtype, config.device
-        self.kv_connector = config.kv_connector
+        self.kv_connector = args.kv_connector
         self.tokenizer = engine_kwargs.get("tokenizer")
         if self.tokenizer is None and config.model_config.tokenizer is not None:
             from minivllm.model.tokenizer import load_tokenizer
             self.tokenizer = load_tokenizer(config.model_config.tokenizer)
 
-        self.engine_core = EngineCore(config)
+        self.engine_core = EngineCore(config, model=args.given_model(), kv_connector=args.kv_connector)
         self.input_processor = InputProcessor(config, self.tokenizer)
         self.output_processor = OutputProcessor(self.tokenizer)
         self.scheduler = self.engine_core.scheduler

@@ -10,9 +10,11 @@ The engine core talks to one executor and never to a worker or a model runner. T
 * ``MultiprocExecutor`` (``"mp"``, the default for ``tensor_parallel_size > 1``): one worker process per rank
   (``multiproc_executor.py``).
 
-Where minivllm differs from vLLM: ``execute_model`` also samples (vLLM 0.32 splits it into ``execute_model``, which
-runs the forward pass, and ``sample_tokens``, so that structured-output grammars can be applied in between;
-minivllm has no grammars).
+A step is two calls, as in vLLM 0.32: ``execute_model`` runs the forward pass on every worker and returns ``None``
+(or, for a step that schedules no token, its output at once); ``sample_tokens`` then samples on every worker and
+returns the driver's ``ModelRunnerOutput``. vLLM computes the structured-output bitmask between the two and passes
+it to ``sample_tokens``; minivllm has no structured output and passes ``None``. Where minivllm differs from vLLM:
+the calls block (vLLM's ``non_block=True`` returns a future, so that the scheduler works while the model runs).
 """
 
 from __future__ import annotations
@@ -30,10 +32,13 @@ class Executor:
 
     Args:
         vllm_config: the engine's config; sent to the workers as it is.
+        model, kv_connector: minivllm only: a built ``LlamaForCausalLM`` and a ``KVConnectorBase`` object handed
+            to the engine, for the worker in this process (``UniProcExecutor``); objects, so never in the config.
     """
 
-    def __init__(self, vllm_config: VllmConfig) -> None:
+    def __init__(self, vllm_config: VllmConfig, model: Any = None, kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
+        self.model, self.kv_connector = model, kv_connector
         self._init_executor()
 
     def _init_executor(self) -> None:
@@ -59,9 +64,14 @@ class Executor:
         self.collective_rpc("initialize_from_config", (num_gpu_blocks,))
         self.collective_rpc("compile_or_warm_up_model")
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step on every worker; the driver's (rank 0's) output comes back."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Run one step's forward pass on every worker; the driver's (rank 0's) reply comes back: ``None``, or
+        the output of a step that scheduled no token."""
         return self.collective_rpc("execute_model", (scheduler_output,), unique_reply_rank=0)
+
+    def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
+        """Sample the step on every worker (each keeps its request states); the driver's output comes back."""
+        return self.collective_rpc("sample_tokens", (grammar_output,), unique_reply_rank=0)
 
     def shutdown(self) -> None:
         """Stop the workers; idempotent."""

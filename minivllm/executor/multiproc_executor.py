@@ -3,10 +3,12 @@
 
 The engine process keeps the scheduler and the KV cache manager (one of each, as with one device) and starts N
 worker processes with ``torch.multiprocessing`` (``spawn``). Each worker process runs a ``Worker`` and answers the
-executor's calls (``Executor``: load, measure memory, allocate the KV cache, then one ``execute_model`` a step). The workers form a ``torch.distributed`` group
+executor's calls (``Executor``: load, measure memory, allocate the KV cache, then ``execute_model`` and
+``sample_tokens`` each step). The workers form a ``torch.distributed`` group
 (gloo on the CPU, NCCL on CUDA) through a TCP rendezvous on this machine; every tensor they exchange goes
 through it. Each step the executor pickles the ``SchedulerOutput`` once and sends it to every worker over its
-pipe; every rank runs the step, and rank 0 sends back the ``ModelRunnerOutput`` (the ranks' outputs are the same).
+pipe; every rank runs the step, and rank 0 replies (to ``sample_tokens``: the ``ModelRunnerOutput``; the ranks'
+outputs are the same).
 
 Where minivllm differs from vLLM: vLLM broadcasts the scheduler output through a shared-memory ring buffer
 (``MessageQueue``) and collects replies on ZMQ sockets; minivllm uses one ``multiprocessing`` pipe per worker
@@ -46,6 +48,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Union
 import torch
 import torch.multiprocessing as torch_mp
 
+from minivllm import envs
 from minivllm.config import VllmConfig
 from minivllm.core.sched.output import SchedulerOutput
 from minivllm.executor.abstract import Executor
@@ -122,11 +125,11 @@ class WorkerProc:
         os._exit(exit_code)
 
 
-_ERROR_FILE_ENV = "MINIVLLM_WORKER_ERROR_FILE"
+_ERROR_FILE_ENV = "MINIVLLM_WORKER_ERROR_FILE"  # registered in minivllm.envs
 
 
 def _report_unguarded_main() -> None:
-    path = os.environ.get(_ERROR_FILE_ENV)
+    path = envs.MINIVLLM_WORKER_ERROR_FILE
     if path:
         try:
             with open(path, "w") as f:
@@ -165,6 +168,9 @@ class MultiprocExecutor(Executor):
 
     def _init_executor(self) -> None:
         vllm_config = self.vllm_config
+        if self.model is not None or self.kv_connector is not None:
+            # EngineArgs refuses both with tensor_parallel_size > 1; objects do not travel to worker processes.
+            raise ValueError("MultiprocExecutor takes no built model and no KV connector: each worker loads its share")
         if _spawned_child_importing_main():
             # Starting workers from here would recurse; multiprocessing would raise its own, vaguer error.
             _report_unguarded_main()
@@ -227,18 +233,27 @@ class MultiprocExecutor(Executor):
         results = self._wait_for(reply_ranks, timeout, method if isinstance(method, str) else method.__name__)
         return results[unique_reply_rank] if unique_reply_rank is not None else [results[r] for r in reply_ranks]
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
-        """Send the step to every rank (pickled once); rank 0's ``ModelRunnerOutput`` comes back."""
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """Send the step to every rank (pickled once); rank 0's reply comes back (``None``, or an empty step's
+        output)."""
+        return self._call_all("execute_model", scheduler_output)
+
+    def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
+        """Every rank samples the step; rank 0's ``ModelRunnerOutput`` comes back."""
+        return self._call_all("sample_tokens", grammar_output)
+
+    def _call_all(self, method: str, arg: Any) -> Any:
+        """``method(arg)`` on every rank, the message pickled once per reply kind; rank 0 replies."""
         if self.is_failed:
             raise RuntimeError(f"the tensor-parallel workers were stopped after a failure: {self._failure}")
-        msg = pickle.dumps(("execute_model", (scheduler_output,), False))
-        reply = pickle.dumps(("execute_model", (scheduler_output,), True))
+        msg = pickle.dumps((method, (arg,), False))
+        reply = pickle.dumps((method, (arg,), True))
         for rank, conn in enumerate(self.conns):
             try:
                 conn.send_bytes(reply if rank == 0 else msg)
             except (OSError, ValueError):
                 pass
-        return self._wait_for([0], EXECUTE_MODEL_TIMEOUT_S, "execute_model")[0]
+        return self._wait_for([0], EXECUTE_MODEL_TIMEOUT_S, method)[0]
 
     def _wait_for(self, ranks: Sequence[int], timeout: float, what: str) -> Dict[int, Any]:
         """Each of ``ranks``' next reply, while watching *every* worker for an error or an exit."""

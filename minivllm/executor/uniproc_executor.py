@@ -42,7 +42,8 @@ class UniProcExecutor(Executor):
     def _init_executor(self) -> None:
         init_method, rank, local_rank = self._distributed_args()
         self.rank = rank
-        self.driver_worker = Worker(self.vllm_config, rank, local_rank, init_method)
+        self.driver_worker = Worker(self.vllm_config, rank, local_rank, init_method, model=self.model,
+                                    kv_connector=self.kv_connector)
         self.driver_worker.init_device()
         self.driver_worker.load_model()
 
@@ -54,6 +55,9 @@ class UniProcExecutor(Executor):
 
     def execute_model(self, scheduler_output):
         return self.driver_worker.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output=None):
+        return self.driver_worker.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:
         self.driver_worker.shutdown()

@@ -15,7 +15,10 @@ too (the loader and the model runner say so through ``set_float32``), as vLLM's 
 but only for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's
 30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for
 64-512, MKL was faster for 1 row (a matrix-vector product: 0.80x oneDNN's time) and level at 1024.
-Set ``ENABLED = False`` (or ``MINIVLLM_ONEDNN_PACKING=0``) to compare.
+Two switches turn packing off, to compare: ``MINIVLLM_ONEDNN_PACKING=0`` (``minivllm.envs``), read when a layer is
+built and again when a model is loaded or a model runner is built (``LlamaForCausalLM.set_custom_op_dispatch``),
+never per call, like ``MINIVLLM_CPU_KERNELS``; and this module's ``ENABLED = False``, for every layer at once from a
+running notebook (notebook 09).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import torch.nn.functional as F
 
 from minivllm import envs
 
-ENABLED = envs.MINIVLLM_ONEDNN_PACKING
+ENABLED = True  # the course's switch for every layer at once; MINIVLLM_ONEDNN_PACKING is each layer's (module doc)
 FP32_PACKED_TOKENS = range(2, 1025)  # rows of x for which a float32 packed weight beats MKL (module doc)
 _SUPPORTED: Optional[bool] = None
 
@@ -55,17 +58,21 @@ class PackedWeight:
         self._data: Optional[torch.Tensor] = None
         self._packed: Optional[torch.Tensor] = None
         self.float32 = False  # set_float32: the model runs float32 through oneDNN too
+        self.enabled = envs.MINIVLLM_ONEDNN_PACKING  # read here, not per call; set_float32 reads it again
 
     def set_float32(self, on: bool) -> None:
         """Pack float32 weights as well, for ``FP32_PACKED_TOKENS`` rows (``MINIVLLM_CPU_KERNELS_FP32=1``: set by
-        ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader and by each model runner)."""
+        ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader and by each model runner), and read
+        ``MINIVLLM_ONEDNN_PACKING`` again, so that a value set after the model was built counts from the next
+        engine on."""
         self.float32 = on
+        self.enabled = envs.MINIVLLM_ONEDNN_PACKING
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``linear`` takes the packed path for ``x [N, in]`` and ``weight [out, in]``: same dtype, on the
-        CPU, no autograd, packing enabled; bfloat16 where oneDNN has native bf16 matmuls, float32 when
+        CPU, no autograd, packing enabled (``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING``); bfloat16 where oneDNN has native bf16 matmuls, float32 when
         ``set_float32`` is on and ``N`` is in ``FP32_PACKED_TOKENS``."""
-        if not ENABLED or x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype:
+        if not (ENABLED and self.enabled) or x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype:
             return False
         if torch.is_grad_enabled():  # the packed op has no backward
             return False

@@ -4,7 +4,8 @@ A request's *block table* lists the ids of its KV blocks in position order; the 
 block ``block_table[p // block_size]`` at offset ``p % block_size``, i.e. at *slot*
 ``block_table[p // block_size] * block_size + p % block_size`` of the cache seen as ``[num_blocks * block_size]``
 rows (PagedAttention, Kwon et al., SOSP 2023, section 4.1). ``compute_slot_mapping`` below is the one place that
-formula is written: notebook 03 teaches it, ``BlockTable`` uses it for every step the engine runs.
+formula is written, under vLLM's one name: notebook 03 teaches it for one request, ``BlockTable.compute_slot_mapping``
+calls it for every step the engine runs.
 
 Padding: the rows of a step's ``[num_reqs, max_blocks]`` table are padded with ``pad_block_id``, the *scratch
 block* (``ModelRunner.scratch_block_id``): one block at the end of every layer's cache that the scheduler never
@@ -16,7 +17,7 @@ counts as the notebooks show them and puts the scratch block outside the pool.
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import Any, List, Sequence, overload
 
 import numpy as np
 import torch
@@ -24,37 +25,41 @@ import torch
 from minivllm.attention.backend import CommonAttentionMetadata
 
 
-def slot_mapping_of(
-    block_table: np.ndarray, req_indices: np.ndarray, positions: np.ndarray, block_size: int
-) -> np.ndarray:
-    """Slots of tokens given as (row of ``block_table``, position) pairs.
+@overload
+def compute_slot_mapping(block_table: Sequence[int], positions: Sequence[int], block_size: int,
+                         req_indices: None = None) -> List[int]: ...
+
+
+@overload
+def compute_slot_mapping(block_table: np.ndarray, positions: np.ndarray, block_size: int,
+                         req_indices: np.ndarray) -> np.ndarray: ...
+
+
+def compute_slot_mapping(block_table: Any, positions: Any, block_size: int, req_indices: Any = None) -> Any:
+    """Cache slots of tokens: ``block_table[row, p // block_size] * block_size + p % block_size`` (vLLM's name,
+    ``BlockTable.compute_slot_mapping``; the one place the formula is written).
 
     Args:
-        block_table: ``int64 [num_rows, max_blocks]`` block ids.
-        req_indices: ``int64 [num_tokens]``, the row of each token.
-        positions: ``int64 [num_tokens]``, each token's position in its request.
+        block_table: one request's block ids (``req_indices=None``: as notebook 03 writes it, with Python lists in
+            and out), or ``int64 [num_rows, max_blocks]`` block ids of several requests.
+        positions: each token's position in its request (``int64 [num_tokens]``).
         block_size: tokens per block.
+        req_indices: ``int64 [num_tokens]``, the row of ``block_table`` of each token; ``None`` for one request.
 
     Returns:
-        ``int64 [num_tokens]``: ``block_table[row, p // block_size] * block_size + p % block_size``.
+        ``List[int]`` for one request, else ``int64 [num_tokens]``.
 
     Raises:
         IndexError: a position lies past the table's width.
     """
-    return block_table[req_indices, positions // block_size] * block_size + positions % block_size
-
-
-def compute_slot_mapping(block_table_row: Sequence[int], positions: Sequence[int], block_size: int) -> List[int]:
-    """Cache slots of ``positions`` for one request: ``block_table[p // block_size] * block_size + p % block_size``.
-
-    The one-request form of ``slot_mapping_of`` (same code), with Python lists in and out, as notebook 03 writes it.
-
-    Raises:
-        IndexError: a position lies past the blocks in ``block_table_row``.
-    """
     pos = np.asarray(positions, dtype=np.int64)
-    table = np.asarray(block_table_row, dtype=np.int64).reshape(1, -1)
-    return slot_mapping_of(table, np.zeros_like(pos), pos, block_size).tolist()
+    table = np.asarray(block_table, dtype=np.int64)
+    if req_indices is None:
+        table, rows = table.reshape(1, -1), np.zeros_like(pos)
+    else:
+        rows = req_indices
+    slots = table[rows, pos // block_size] * block_size + pos % block_size
+    return slots.tolist() if req_indices is None else slots
 
 
 class BlockTable:
@@ -138,7 +143,7 @@ class BlockTable:
             req_indices: ``int64 [num_tokens]`` index into ``rows`` of each token's request.
             positions: ``int64 [num_tokens]``.
         """
-        return slot_mapping_of(self.block_table_np, rows[req_indices], positions, self.block_size)
+        return compute_slot_mapping(self.block_table_np, positions, self.block_size, rows[req_indices])
 
 
 def create_common_attn_metadata(
@@ -186,7 +191,7 @@ def create_common_attn_metadata(
     t = lambda a: torch.as_tensor(np.asarray(a, dtype=np.int64)).to(device)  # noqa: E731
     return CommonAttentionMetadata(
         query_start_loc=t(qsl), seq_lens=t(seq), block_table_tensor=t(table),
-        slot_mapping=t(slot_mapping_of(table, req_indices, positions, block_size)), positions=t(positions),
+        slot_mapping=t(compute_slot_mapping(table, positions, block_size, req_indices)), positions=t(positions),
         query_start_loc_cpu=qsl, seq_lens_cpu_upper_bound=seq,
         num_reqs=len(query_lens), num_actual_tokens=qsl[-1], max_query_len=max(query_lens), max_seq_len=max(seq),
     )

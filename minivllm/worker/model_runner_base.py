@@ -5,9 +5,13 @@ Per step: update the per-request state and the ``InputBatch``'s block table from
 (``_update_states``, each runner's own), build one flattened batch and its ``CommonAttentionMetadata``
 (``input_ids``, ``positions``, ``query_start_loc``, ``seq_lens``, ``slot_mapping``, ``block_table``;
 ``_prepare_inputs``), let the attention backend's builder turn it into the backend's metadata, run the model,
-compute logits only at ``logits_indices`` (the last scheduled token of each request), sample (``_sample``, each
-runner's own), and return one token per request, or ``[]`` for a request whose step was a partial prefill
-(``minivllm.request.is_partial_prefill``, decided once per row in ``_prepare_inputs``). With ``logprobs`` the
+compute logits only at ``logits_indices`` (the last scheduled token of each request): that is ``execute_model``.
+Then ``sample_tokens`` samples (``_sample``, each runner's own) and returns one token per request, or ``[]`` for a
+request whose step was a partial prefill (``minivllm.request.is_partial_prefill``, decided once per row in
+``_prepare_inputs``). The two calls are vLLM 0.32's (``GPUModelRunner.execute_model`` keeps the logits in
+``execute_model_state`` and returns ``None``; ``sample_tokens(grammar_output)`` samples from them), so that the
+engine core can compute the structured-output bitmask between them; minivllm has no structured output and always
+passes ``None``. With ``logprobs`` the
 sampled token's logprobs come back too (``ModelRunnerOutput.logprobs``); with ``prompt_logprobs`` the runner also
 computes logits at every prompt position of the chunk and keeps their logprobs across chunks in the request's
 state until the prompt is done (``_prompt_logprobs``; vLLM's ``in_progress_prompt_logprobs_cpu``).
@@ -42,7 +46,7 @@ from minivllm.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
 if TYPE_CHECKING:
     from minivllm.distributed.kv_transfer.base import KVConnectorBase
 
-__all__ = ["ModelRunnerBase", "StepInputs"]
+__all__ = ["ExecuteModelState", "ModelRunnerBase", "StepInputs"]
 
 
 @dataclass
@@ -76,6 +80,21 @@ class StepInputs:
     logits: Optional[torch.Tensor] = None
     sampled: Optional[torch.Tensor] = None
     hidden_states: Optional[torch.Tensor] = field(default=None, repr=False)
+
+
+@dataclass
+class ExecuteModelState:
+    """What ``execute_model`` leaves for ``sample_tokens`` (vLLM 0.32 ``ExecuteModelState``, its fields that
+    minivllm has): the step's inputs, its logits ``float32 [R, vocab]`` and final hidden states ``[T, hidden]``,
+    the finished prompt logprobs, and the connector's finished-transfer sets."""
+
+    scheduler_output: SchedulerOutput
+    inputs: ModelInputs
+    logits: torch.Tensor
+    hidden_states: torch.Tensor
+    prompt_logprobs_dict: Dict[str, List[Optional[LogprobsEntry]]]
+    finished_sending: Optional[set]
+    finished_recving: Optional[set]
 
 
 class ModelRunnerBase:
@@ -144,6 +163,7 @@ class ModelRunnerBase:
         # The last step's batch, kept as references; ``last_inputs`` builds the StepInputs only when asked.
         self._last_step: Optional[Tuple[ModelInputs, Optional[torch.Tensor], torch.Tensor, Optional[torch.Tensor]]] = None
         self._last_inputs: Optional[StepInputs] = None
+        self.execute_model_state: Optional[ExecuteModelState] = None  # between execute_model and sample_tokens
         if num_gpu_blocks is not None:
             self.initialize_kv_cache(num_gpu_blocks)
             self.capture_model()
@@ -304,8 +324,17 @@ class ModelRunnerBase:
 
     # ---------------------------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def execute_model(self, so: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one step. Returns ``sampled_token_ids[i] == [tok]``, or ``[]`` for a partial prefill."""
+    def execute_model(self, so: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """The forward pass of one step (vLLM 0.32 ``GPUModelRunner.execute_model``): update the request states,
+        build the inputs, run the model and compute the logits of the rows to sample, which wait in
+        ``execute_model_state`` for ``sample_tokens``. Returns ``None``, or, for a step that schedules no token, the
+        step's whole output (the connector's finished transfers only), as vLLM's does.
+
+        Raises:
+            RuntimeError: when the previous step's ``sample_tokens`` has not run.
+        """
+        if self.execute_model_state is not None:
+            raise RuntimeError("execute_model() called again before sample_tokens() took the previous step's logits")
         self._update_states(so)
         finished_sending = finished_recving = None
         if self.connector is not None:
@@ -318,7 +347,7 @@ class ModelRunnerBase:
             return ModelRunnerOutput([], {}, [], finished_recving, finished_sending)
 
         inputs = self._prepare_inputs(so)
-        req_ids, input_ids = inputs.req_ids, inputs.input_ids
+        input_ids = inputs.input_ids
         cm = inputs.common_attn_metadata
         if self.model.attn_backend is not self.attn_backend:
             self.model.set_attention_backend(self.attn_backend)  # another engine shares this model
@@ -344,9 +373,32 @@ class ModelRunnerBase:
             finished_sending, finished_recving = self.connector.get_finished(so.finished_req_ids)
             self.connector.clear_connector_metadata()
         prompt_logprobs_dict = self._prompt_logprobs(inputs, hidden)
-        logits_indices = inputs.logits_indices
-        logits = self.model.compute_logits(hidden[logits_indices])
+        logits = self.model.compute_logits(hidden[inputs.logits_indices])
+        self.execute_model_state = ExecuteModelState(so, inputs, logits, hidden, prompt_logprobs_dict,
+                                                     finished_sending, finished_recving)
+        return None
 
+    @torch.inference_mode()
+    def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
+        """Sample the step that ``execute_model`` ran (vLLM 0.32 ``GPUModelRunner.sample_tokens``). Returns
+        ``sampled_token_ids[i] == [tok]``, or ``[]`` for a partial prefill.
+
+        Args:
+            grammar_output: vLLM's structured-output bitmask, applied to the logits before sampling; minivllm has
+                no structured output, so it is always ``None``.
+
+        Raises:
+            ValueError: for a ``grammar_output`` other than ``None``.
+            RuntimeError: when no ``execute_model`` is waiting for it.
+        """
+        if grammar_output is not None:
+            raise ValueError("grammar_output must be None: minivllm has no structured output")
+        state = self.execute_model_state
+        if state is None:
+            raise RuntimeError("sample_tokens() needs a step run by execute_model() first")
+        self.execute_model_state = None
+        inputs, logits, hidden = state.inputs, state.logits, state.hidden_states
+        req_ids = inputs.req_ids
         sampled, out_ids, discarded = self._sample(inputs, logits)
         row_logprobs = self.sampler.last_logprobs
         logprobs = None
@@ -357,8 +409,8 @@ class ModelRunnerBase:
         self._last_step = (inputs, logits if self.keep_logits else None, sampled,
                            hidden if self.keep_hidden_states else None)
         return ModelRunnerOutput(
-            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, finished_recving, finished_sending,
-            logprobs, prompt_logprobs_dict,
+            req_ids, {r: i for i, r in enumerate(req_ids)}, out_ids, state.finished_recving, state.finished_sending,
+            logprobs, state.prompt_logprobs_dict,
         )
 
     def _prompt_logprobs(self, inputs: ModelInputs, hidden: torch.Tensor) -> Dict[str, List[Optional[LogprobsEntry]]]:

@@ -10,7 +10,8 @@ Every executor drives its workers through the same calls, in vLLM's order (``Eng
     get_kv_cache_spec()            what one block of this rank's cache holds (its page size)
     initialize_from_config(n)      allocate n blocks per layer (the engine took the minimum over the ranks)
     compile_or_warm_up_model()     capture the CUDA graphs, at start-up
-    execute_model(scheduler_output), once a step
+    execute_model(scheduler_output)  once a step: the forward pass (returns None, or an empty step's output)
+    sample_tokens(None)              then: sample the step (vLLM 0.32 passes the structured-output bitmask here)
 
 Under tensor parallelism every rank receives the same ``SchedulerOutput`` each step and runs the same step; the
 collectives inside the layers keep them in lockstep, and every rank samples the same tokens (the logits are
@@ -20,7 +21,7 @@ messages.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -43,15 +44,19 @@ class Worker:
 
     Args:
         vllm_config: the engine's config, as the engine has it (``model_config`` and ``load_config`` say what to
-            load; ``model_config.model_instance``, a model handed in built, is used instead of loading).
+            load).
         rank: this worker's rank; local_rank: its CUDA device on its machine (CPU: unused).
         distributed_init_method: the rendezvous, ``"tcp://host:port"`` or ``"env://"`` (``torchrun``); ``None``
             for one device, where no process group is made.
+        model: minivllm only: a ``LlamaForCausalLM`` handed to the engine built (notebooks share one model between
+            engines); used instead of loading.
+        kv_connector: minivllm only: the engine's ``KVConnectorBase`` object, whose worker side the runner calls.
     """
 
     def __init__(self, vllm_config: VllmConfig, rank: int = 0, local_rank: int = 0,
-                 distributed_init_method: Optional[str] = None) -> None:
+                 distributed_init_method: Optional[str] = None, model: Any = None, kv_connector: Any = None) -> None:
         self.vllm_config = vllm_config
+        self.given_model, self.kv_connector = model, kv_connector
         self.rank, self.local_rank = rank, local_rank
         self.distributed_init_method = distributed_init_method
         self.model_runner: Optional["ModelRunner"] = None
@@ -85,15 +90,15 @@ class Worker:
         cfg = self.vllm_config
         assert self.device is not None, "init_device() first"
         mc = cfg.model_config
-        if mc.model_instance is not None:
-            model = mc.model_instance.to(self.device)
+        if self.given_model is not None:
+            model = self.given_model.to(self.device)
         else:
             model = get_model(mc, cfg.load_config, self.device, mc.dtype)
         runner_cls = ModelRunnerV2 if cfg.scheduler_config.use_v2_model_runner else ModelRunner
         # No CUDA graphs across ranks: capturing NCCL collectives in minivllm's decode graphs is untested (vLLM
         # captures them; this course has had no multi-GPU machine to check it on).
         enforce_eager = cfg.enforce_eager or cfg.parallel_config.tensor_parallel_size > 1
-        connector = cfg.kv_connector if cfg.parallel_config.tensor_parallel_size == 1 else None
+        connector = self.kv_connector if cfg.parallel_config.tensor_parallel_size == 1 else None
         self.model_runner = runner_cls(model, None, cfg.cache_config.block_size, self.device, cfg.seed, connector,
                                        cfg.attention_backend, enforce_eager)
 
@@ -143,9 +148,15 @@ class Worker:
         assert self.model_runner is not None, "load_model() first"
         self.model_runner.capture_model(self.vllm_config.scheduler_config.max_num_seqs)
 
-    def execute_model(self, scheduler_output: SchedulerOutput) -> ModelRunnerOutput:
+    def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
+        """The step's forward pass (``ModelRunnerBase.execute_model``): ``None``, or an empty step's output."""
         assert self.model_runner is not None, "load_model() first"
         return self.model_runner.execute_model(scheduler_output)
+
+    def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
+        """Sample the step ``execute_model`` ran (``ModelRunnerBase.sample_tokens``)."""
+        assert self.model_runner is not None, "load_model() first"
+        return self.model_runner.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:
         if self._distributed:

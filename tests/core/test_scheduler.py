@@ -2,7 +2,7 @@
 ``tests/v1/core/test_scheduler.py`` style). Every test states tokens per request per step, ids and block counts.
 
 The fake model runner (``step``) samples one token for a request whose scheduled tokens reach the end of its known
-tokens and ``[]`` for a partial prefill, as ``ModelRunner.execute_model`` does.
+tokens and ``[]`` for a partial prefill, as ``ModelRunner.sample_tokens`` does.
 """
 
 from __future__ import annotations
