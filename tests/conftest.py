@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 LANES = {
     # minivllm/core: scheduler, KV cache manager, block pool (and the scheduler's side of the KV connector)
     "core": (
-        "core/test_scheduler.py", "core/test_async_scheduler.py", "test_prefix_caching.py", "test_chunked_prefill.py",
-        "test_preemption.py", "test_reset_prefix_cache.py", "test_kv_connector_reports.py", "test_randomized.py",
-        "test_soak.py",
+        "core/test_scheduler.py", "core/test_async_scheduler.py", "core/test_scheduler_seams.py",
+        "test_prefix_caching.py", "test_chunked_prefill.py", "test_preemption.py", "test_reset_prefix_cache.py",
+        "test_kv_connector_reports.py", "test_randomized.py", "test_soak.py",
     ),
     # minivllm/engine (and the executor it drives in one process): LLM, LLMEngine, EngineCore end to end, the KV
     # connector through the engine
