@@ -299,8 +299,8 @@ class VllmConfig:
         seed: seed of the generator shared by requests without a seed of their own.
         kv_connector: a ``KVConnectorBase`` instance or ``None`` (vLLM: ``kv_transfer_config``, from which vLLM
             builds the connector itself; minivllm takes the object so the course can hand in its own).
-        attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
-            and dtype) and whether CUDA graphs are off, as in vLLM.
+        attention_backend / enforce_eager: the model runner's attention backend (a name, an ``AttentionBackend``
+            subclass, or ``None``: chosen from device and dtype) and whether CUDA graphs are off, as in vLLM.
         hf_config, dtype: shorthands for ``model_config.hf_config`` and ``model_config.dtype``.
     """
 
@@ -312,7 +312,7 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     kv_connector: Any = None
-    attention_backend: Optional[str] = None
+    attention_backend: Any = None
     enforce_eager: bool = False
 
     @property

@@ -35,7 +35,7 @@ LANES = {
     "worker": (
         "test_model_runners.py", "test_block_table.py", "test_sampler_edges.py", "test_v2_gumbel.py",
         "test_paged_attention.py", "test_triton_kernels.py", "test_triton_attn_backend.py", "test_custom_ops.py",
-        "test_fp32_kernels.py", "test_sampling_features.py",
+        "test_fp32_kernels.py", "test_sampling_features.py", "test_attention_backend_seam.py",
     ),
     # minivllm/model: the Llama model, its loaders, CustomOp dispatch; greedy tokens equal transformers'
     "model": ("test_real_model.py", "test_model_loader.py", "test_custom_op_dispatch.py"),
