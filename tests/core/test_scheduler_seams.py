@@ -208,6 +208,27 @@ def test_gate_off_changes_nothing_under_fcfs_here():
     assert run(*mixed(GateOff)) == reference(mixed)
 
 
+def test_gate_off_departs_from_vllms_recording_only_in_the_connectors_calls(monkeypatch):
+    # vLLM 0.32's recorded FCFS scenario built to show the gate: with the gate off, minivllm still schedules every
+    # step as vLLM did (the victim B heads the queue and does not fit), but its waiting loop runs in the preempting
+    # step and asks the connector about B, which vLLM never does there.
+    from minivllm.bench.vllm_check import minivllm_replay
+    from minivllm.course import vllm_recordings as vr
+
+    name, mode = "no_admission_in_preempting_step", "v1-sync-scripted"
+    vr.compare_with_minivllm(name, minivllm_replay.replay(vr.scenario(name), mode), mode)  # the reference: equal
+    kwargs = minivllm_replay._engine_kwargs
+    monkeypatch.setattr(minivllm_replay, "_engine_kwargs", lambda eng, m: {**kwargs(eng, m), "scheduler_cls": GateOff})
+    with pytest.raises(AssertionError) as e:
+        vr.compare_with_minivllm(name, minivllm_replay.replay(vr.scenario(name), mode), mode)
+    report = str(e.value)
+    assert "first difference at step 5" in report
+    assert [line.split()[1] for line in report.splitlines() if line.startswith("≠ ")] == ["connector_calls:"]
+    assert "get_num_new_matched_tokens(B, num_computed_tokens=64)" in report
+    assert [line.split()[:3] for line in report.splitlines() if line.strip().startswith("preempted")] == \
+        [["preempted", '["B"]', '["B"]']]
+
+
 # ---- (3) chunk sizing: the lone-request rule ----------------------------------------------------------------------
 class NoLoneRequestRule(Scheduler):
     """Caps every chunk at ``long_prefill_token_threshold``, even a lone request's: the chunk sizing of a waiting
