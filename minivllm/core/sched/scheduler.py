@@ -115,7 +115,7 @@ class SchedulerStep:
 
 class PrefixCacheHit(NamedTuple):
     """What ``Scheduler._prefix_cache_lookup`` found for a request being admitted (vLLM's locals of the same
-    names, `v0.32.0 L954-L1043
+    names, `v0.32.0 L954-L1084
     <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L954>`_)."""
 
     new_computed_blocks: List[KVCacheBlock]
@@ -288,7 +288,7 @@ class Scheduler:
     # -- the parts of schedule(), in vLLM's order ------------------------------------------------------------------
     def _long_prefill_token_threshold(self) -> int:
         """This step's cap on one request's tokens, 0 for none (vLLM's local ``long_prefill_token_threshold``,
-        `v0.32.0 L640-L656 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L640>`_;
+        `v0.32.0 L640-L655 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L640>`_;
         `v0.33.0 L754-L769 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L754>`_).
 
         ``SchedulerConfig.long_prefill_token_threshold``, except with at most one eligible request (running plus
@@ -425,9 +425,9 @@ class Scheduler:
 
     def _pick_victim(self) -> Request:
         """The request to preempt: FCFS the last running one, priority the worst ``(priority, arrival_time)``
-        (vLLM inline, `v0.32.0 L795-L801
-        <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L795>`_;
-        `v0.33.0 L931-L937 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L931>`_)."""
+        (vLLM inline, `v0.32.0 L796-L802
+        <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L796>`_;
+        `v0.33.0 L932-L938 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L932>`_)."""
         if self.policy == "priority":
             return max(self.running, key=lambda r: (r.priority, r.arrival_time))
         return self.running[-1]
@@ -549,8 +549,8 @@ class Scheduler:
     def _prefix_cache_lookup(self, request: Request) -> Optional[PrefixCacheHit]:
         """The prefix-cache lookup at admission, for a request with ``num_computed_tokens == 0`` (vLLM's "Get
         already-cached tokens",
-        `v0.32.0 L958-L1043 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L958>`_;
-        `v0.33.0 L1108-L1215 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1108>`_;
+        `v0.32.0 L959-L1084 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L959>`_;
+        `v0.33.0 L1109-L1261 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1109>`_;
         its local half is vLLM's ``_get_local_prefix_cache_hit``, L558).
 
         The local hit from ``kv_cache_manager.get_computed_blocks`` (its full blocks still cached; nothing for a
@@ -596,8 +596,8 @@ class Scheduler:
 
     def _build_scheduler_output(self, step: SchedulerStep) -> SchedulerOutput:
         """The step's ``SchedulerOutput`` (vLLM's "Construct the scheduler output",
-        `v0.32.0 L1417-L1525 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L1417>`_;
-        `v0.33.0 L1641-L1753 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1641>`_):
+        `v0.32.0 L1417-L1522 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L1417>`_;
+        `v0.33.0 L1641-L1750 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1641>`_):
         new requests with their prompts and block ids, the cached ones (``_make_cached_request_data``),
         ``num_scheduled_tokens``, the finished ids since the last step and this step's preempted ids. Under the V2
         model runner a resumed request is sent as new, with all its tokens so far (vLLM L1418). Remembers which
