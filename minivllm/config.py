@@ -313,8 +313,8 @@ class VllmConfig:
         device: the ``torch.device`` of the weights and the KV cache.
         seed: seed of the generator shared by requests without a seed of their own.
         kv_transfer_config: ``KVTransferConfig`` when the engine has a KV connector, else ``None``.
-        attention_backend / enforce_eager: the model runner's attention backend (``None``: chosen from device
-            and dtype) and whether CUDA graphs are off, as in vLLM.
+        attention_backend / enforce_eager: the model runner's attention backend (a name, an ``AttentionBackend``
+            subclass, or ``None``: chosen from device and dtype) and whether CUDA graphs are off, as in vLLM.
         hf_config, dtype: shorthands for ``model_config.hf_config`` and ``model_config.dtype``.
     """
 
@@ -326,7 +326,7 @@ class VllmConfig:
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
     seed: int = 0
     kv_transfer_config: Optional[KVTransferConfig] = None
-    attention_backend: Optional[str] = None
+    attention_backend: Any = None
     enforce_eager: bool = False
 
     @property

@@ -18,9 +18,9 @@ import pytest  # noqa: E402
 LANES = {
     # minivllm/core: scheduler, KV cache manager, block pool (and the scheduler's side of the KV connector)
     "core": (
-        "core/test_scheduler.py", "core/test_async_scheduler.py", "test_prefix_caching.py", "test_chunked_prefill.py",
-        "test_preemption.py", "test_reset_prefix_cache.py", "test_kv_connector_reports.py", "test_randomized.py",
-        "test_soak.py",
+        "core/test_scheduler.py", "core/test_async_scheduler.py", "core/test_scheduler_seams.py",
+        "test_prefix_caching.py", "test_chunked_prefill.py", "test_preemption.py", "test_reset_prefix_cache.py",
+        "test_kv_connector_reports.py", "test_randomized.py", "test_soak.py",
     ),
     # minivllm/engine (and the executor it drives in one process): LLM, LLMEngine, EngineCore end to end, the KV
     # connector through the engine
@@ -35,7 +35,7 @@ LANES = {
     "worker": (
         "test_model_runners.py", "test_block_table.py", "test_sampler_edges.py", "test_v2_gumbel.py",
         "test_paged_attention.py", "test_triton_kernels.py", "test_triton_attn_backend.py", "test_custom_ops.py",
-        "test_fp32_kernels.py", "test_sampling_features.py",
+        "test_fp32_kernels.py", "test_sampling_features.py", "test_attention_backend_seam.py",
     ),
     # minivllm/model: the Llama model, its loaders, CustomOp dispatch; greedy tokens equal transformers'
     "model": ("test_real_model.py", "test_model_loader.py", "test_custom_op_dispatch.py"),

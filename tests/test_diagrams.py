@@ -25,9 +25,10 @@ needs_dot = pytest.mark.skipif(not diagrams.dot_available(),
 
 def test_flowchart_boxes_point_at_their_code():
     steps = {s.key: s for s in diagrams.schedule_flowchart_steps()}
-    expect = {"running": "while i < len(self.running)", "allocate": "allocate_slots(request, n)",
-              "preempt": "_preempt_request(victim", "scheduled": "running_scheduled.append(request)",
-              "gate": "if not preempted_reqs:", "waiting": "while self.waiting",
+    expect = {"running": "while step.req_index < len(self.running)",
+              "allocate": "allocate_slots(request, num_new_tokens)",
+              "preempt": "_preempt_request(victim", "scheduled": "step.running_scheduled.append(request)",
+              "gate": "return not step.preempted_reqs", "waiting": "while self.waiting",
               "lookup": "if did_prefix_cache_lookup:", "prefix": "get_computed_blocks(",
               "match": "get_num_new_matched_tokens(", "full_isl": "full_sequence_must_fit=cfg.scheduler_reserve_full_isl",
               "admit": "allocate_slots(", "after_alloc": "update_state_after_alloc(",
@@ -38,12 +39,22 @@ def test_flowchart_boxes_point_at_their_code():
     assert set(expect) == set(steps)
     for key, code in expect.items():
         assert code in SCHEDULER[steps[key].line - 1], (key, steps[key].line, SCHEDULER[steps[key].line - 1])
-    order = [s.line for s in diagrams.schedule_flowchart_steps()]
-    assert steps["gate"].line > steps["preempt"].line and steps["gate"].line < steps["waiting"].line
-    assert order[-3:] == sorted(order[-3:])  # output, connector metadata, then the counters advance
-    # the whole-prompt check is an argument of the waiting loop's allocate_slots call, not of the running loop's
-    assert steps["allocate"].line < steps["gate"].line < steps["admit"].line < steps["full_isl"].line
+    # each box lies in the method of the split schedule() that a scheduler_cls subclass overrides for it (issue 26)
+    from minivllm.core.sched.scheduler import Scheduler
+
+    def span(method):
+        lines, first = inspect.getsourcelines(getattr(Scheduler, method))
+        return range(first, first + len(lines))
+
+    where = {"running": "_schedule_running", "scheduled": "_schedule_running", "allocate": "_allocate_slots_or_preempt",
+             "preempt": "_allocate_slots_or_preempt", "gate": "_admission_gate_open", "prefix": "_prefix_cache_lookup",
+             "match": "_prefix_cache_lookup", "output": "_build_scheduler_output", "meta": "schedule",
+             "advance": "schedule"}
+    for key in steps:
+        assert steps[key].line in span(where.get(key, "_schedule_waiting")), key
+    assert steps["admit"].line < steps["full_isl"].line  # the whole-prompt check is an argument of that call
     assert steps["admit"].line < steps["was_preempted"].line < steps["resumed"].line < steps["admitted"].line
+    assert steps["meta"].line < steps["advance"].line
     # every box has arrows, and every arrow joins two boxes
     keys = set(steps)
     ends = {k for t, h, _, _ in diagrams._FLOW_EDGES for k in (t, h)}
@@ -51,23 +62,46 @@ def test_flowchart_boxes_point_at_their_code():
     assert {k for _, ks in diagrams._FLOW_PARTS for k in ks} == keys - {"gate"}
 
 
-def test_flowchart_fails_loudly_without_the_whole_prompt_check(monkeypatch):
-    from minivllm.core.sched.scheduler import Scheduler
+def _patched_source(monkeypatch, old, new):
+    """Make the diagrams read scheduler.py with ``old`` replaced by ``new`` (in whichever method holds it)."""
+    real = inspect.getsourcelines
+    assert old in inspect.getsource(__import__("minivllm.core.sched.scheduler", fromlist=["x"]))
 
-    src = inspect.getsource(Scheduler.schedule)
-    assert "full_sequence_must_fit=cfg.scheduler_reserve_full_isl" in src
-    src = src.replace("full_sequence_must_fit=cfg.scheduler_reserve_full_isl", "full_sequence_must_fit=False")
-    monkeypatch.setattr(inspect, "getsourcelines", lambda fn: (src.splitlines(True), 111))
+    def fake(fn):
+        lines, first = real(fn)
+        return [line.replace(old, new) for line in lines], first
+
+    monkeypatch.setattr(inspect, "getsourcelines", fake)
+
+
+def test_flowchart_fails_loudly_without_the_whole_prompt_check(monkeypatch):
+    _patched_source(monkeypatch, "full_sequence_must_fit=cfg.scheduler_reserve_full_isl", "full_sequence_must_fit=False")
     with pytest.raises(LookupError, match="scheduler_reserve_full_isl"):
         diagrams.schedule_flowchart_steps()
 
 
 def test_flowchart_fails_loudly_without_the_gate(monkeypatch):
-    from minivllm.core.sched.scheduler import Scheduler
-
-    src = inspect.getsource(Scheduler.schedule).replace("if not preempted_reqs:", "if True:")
-    monkeypatch.setattr(inspect, "getsourcelines", lambda fn: (src.splitlines(True), 111))
+    _patched_source(monkeypatch, "return not step.preempted_reqs", "return True")
     with pytest.raises(LookupError, match="preempted_reqs"):
+        diagrams.schedule_flowchart_steps()
+
+
+@pytest.mark.parametrize("old, new, match", [
+    # the preemption step no longer preempts: its box's code is gone
+    ("self._preempt_request(victim, drop_stale_output=self.requires_kv_delivery)", "pass", "_preempt_request"),
+    # the prefix-cache lookup no longer asks the connector
+    ("self.connector.get_num_new_matched_tokens(", "self.connector.ask(", "get_num_new_matched_tokens"),
+    # schedule() still asks the gate, but runs the waiting loop whatever it says
+    ("if self._admission_gate_open(step):", "self._admission_gate_open(step)\n        if True:",
+     "gate and the waiting loop"),
+    # schedule() builds the output before the waiting loop has run
+    ("self._schedule_running(step)", "self._schedule_running(step); self._build_scheduler_output(step)",
+     "gate and the waiting loop"),
+])
+def test_flowchart_fails_loudly_when_a_part_changed(monkeypatch, old, new, match):
+    diagrams.schedule_flowchart_steps()  # the real scheduler draws
+    _patched_source(monkeypatch, old, new)
+    with pytest.raises(LookupError, match=match):
         diagrams.schedule_flowchart_steps()
 
 

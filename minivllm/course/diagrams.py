@@ -5,11 +5,12 @@ label is placed by hand.
 
 Nothing is drawn from a hand-kept list alone:
 
-* ``schedule_flowchart_steps`` finds each box of the flowchart in ``Scheduler.schedule``'s syntax tree (the two
-  loops, ``allocate_slots``, ``_preempt_request``, the ``if not preempted_reqs`` gate, the prefix-cache lookup,
-  the connector calls, the whole-prompt admission check ``full_sequence_must_fit=scheduler_reserve_full_isl``,
-  the resumed-or-new split, the ``SchedulerOutput``) and labels it with its line in
-  ``minivllm/core/sched/scheduler.py``; a box whose code is gone raises ``LookupError``.
+* ``schedule_flowchart_steps`` finds each box of the flowchart in the syntax tree of ``Scheduler.schedule`` and
+  of the methods it is split into (``FLOW_METHODS``: the two loops, ``allocate_slots``, ``_preempt_request``, the
+  gate ``not preempted_reqs``, the prefix-cache lookup, the connector calls, the whole-prompt admission check
+  ``full_sequence_must_fit=scheduler_reserve_full_isl``, the resumed-or-new split, the ``SchedulerOutput``) and
+  labels it with its line in ``minivllm/core/sched/scheduler.py``; a box whose code is gone, or a ``schedule()``
+  that no longer calls the running loop, the gate and the waiting loop in that order, raises ``LookupError``.
 * ``request_state_machine`` takes the states from ``RequestStatus`` (a new member appears as a new node) and
   checks every transition against the assignments ``*.status = RequestStatus.X`` in the method that makes it; an
   assignment in the scheduler that no transition explains raises ``LookupError``.
@@ -30,7 +31,7 @@ import shutil
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Dict, Iterator, List, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from minivllm.course.figures import register
 
@@ -49,12 +50,13 @@ def _tree(fn: Callable) -> Tuple[ast.AST, int]:
 
 
 def _calls(tree: ast.AST, name: str, on: str = "") -> Iterator[ast.Call]:
-    """Calls of ``name`` (a method or a function) in ``tree``; with ``on``, only ``on.name(...)``."""
+    """Calls of ``name`` (a method or a function) in ``tree``; with ``on``, only ``on.name(...)`` or
+    ``x.on.name(...)`` (``step.running_scheduled.append``)."""
     for node in ast.walk(tree):
         if isinstance(node, ast.Call):
             f = node.func
             if isinstance(f, ast.Attribute) and f.attr == name:
-                if not on or (isinstance(f.value, ast.Name) and f.value.id == on):
+                if not on or _named(f.value, on):
                     yield node
             elif isinstance(f, ast.Name) and f.id == name and not on:
                 yield node
@@ -72,103 +74,138 @@ class FlowStep:
     kind: str = "process"
 
 
+def _named(e: ast.AST, name: str) -> bool:
+    """``e`` is the name ``name`` or an attribute of that name (``preempted_reqs``, ``step.preempted_reqs``)."""
+    return (isinstance(e, ast.Name) and e.id == name) or (isinstance(e, ast.Attribute) and e.attr == name)
+
+
+# the methods of Scheduler that hold the flowchart's boxes: vLLM's schedule() is one method, minivllm's is split
+# so that a scheduler_cls subclass can replace one part (issue 26)
+FLOW_METHODS = ("schedule", "_schedule_running", "_allocate_slots_or_preempt", "_admission_gate_open",
+                "_schedule_waiting", "_prefix_cache_lookup", "_build_scheduler_output")
+
+
 def schedule_flowchart_steps() -> List[FlowStep]:
     """The boxes of the ``schedule()`` flowchart, in order (the running loop's four, the gate, then the rest),
-    each located in ``Scheduler.schedule``.
+    each located in the method of ``Scheduler`` that holds its code (``schedule`` and the parts it is split into,
+    ``FLOW_METHODS``).
 
     Raises:
-        LookupError: when a box's code is not found (the scheduler changed: update the flowchart).
+        LookupError: when a box's code is not found, or ``schedule()`` no longer calls the running loop, the gate
+            and the waiting loop in that order (the scheduler changed: update the flowchart).
     """
     from minivllm.core.sched.scheduler import Scheduler
 
-    tree, off = _tree(Scheduler.schedule)
-    whiles = [n for n in ast.walk(tree) if isinstance(n, ast.While)]
+    trees: Dict[str, Tuple[ast.AST, int]] = {}
+    for m in FLOW_METHODS:
+        fn = getattr(Scheduler, m, None)
+        if fn is None:
+            raise LookupError(f"Scheduler.{m} is gone: the flowchart finds its boxes there")
+        trees[m] = _tree(fn)
 
-    def loop_over(attr: str) -> ast.While:
-        for w in whiles:
+    def line(m: str, node: ast.AST) -> int:
+        return node.lineno + trees[m][1]  # type: ignore[attr-defined]
+
+    def loop_over(m: str, attr: str) -> ast.While:
+        for w in (n for n in ast.walk(trees[m][0]) if isinstance(n, ast.While)):
             if any(isinstance(n, ast.Attribute) and n.attr == attr for n in ast.walk(w.test)):
                 return w
-        raise LookupError(f"Scheduler.schedule: no `while` loop over self.{attr}")
+        raise LookupError(f"Scheduler.{m}: no `while` loop over self.{attr}")
 
-    def first_call(node: ast.AST, name: str, on: str = "") -> ast.Call:
-        found = sorted(_calls(node, name, on), key=lambda c: c.lineno)
+    def first_call(m: str, name: str, on: str = "", node: Optional[ast.AST] = None) -> ast.Call:
+        found = sorted(_calls(trees[m][0] if node is None else node, name, on), key=lambda c: c.lineno)
         if not found:
             what = f"{on}.{name}" if on else name
-            raise LookupError(f"Scheduler.schedule: no call of {what}() where the flowchart expects one")
+            raise LookupError(f"Scheduler.{m}: no call of {what}() where the flowchart expects one")
         return found[0]
 
-    def first_if(node: ast.AST, test: Callable[[ast.expr], bool], what: str) -> ast.If:
-        found = sorted((n for n in ast.walk(node) if isinstance(n, ast.If) and test(n.test)), key=lambda n: n.lineno)
+    def first_if(m: str, test: Callable[[ast.expr], bool], what: str) -> ast.If:
+        found = sorted((n for n in ast.walk(trees[m][0]) if isinstance(n, ast.If) and test(n.test)),
+                       key=lambda n: n.lineno)
         if not found:
-            raise LookupError(f"Scheduler.schedule: no `if {what}:` where the flowchart expects one")
+            raise LookupError(f"Scheduler.{m}: no `if {what}:` where the flowchart expects one")
         return found[0]
 
-    def is_name(e: ast.expr, name: str) -> bool:
-        return isinstance(e, ast.Name) and e.id == name
-
-    running, waiting = loop_over("running"), loop_over("waiting")
-    gate = first_if(tree, lambda t: isinstance(t, ast.UnaryOp) and isinstance(t.op, ast.Not)
-                    and is_name(t.operand, "preempted_reqs"), "not preempted_reqs")
-    lookup = first_if(waiting, lambda t: is_name(t, "did_prefix_cache_lookup"), "did_prefix_cache_lookup")
+    running, waiting = loop_over("_schedule_running", "running"), loop_over("_schedule_waiting", "waiting")
+    gate = sorted((n for n in ast.walk(trees["_admission_gate_open"][0]) if isinstance(n, ast.UnaryOp)
+                   and isinstance(n.op, ast.Not) and _named(n.operand, "preempted_reqs")), key=lambda n: n.lineno)
+    if not gate:
+        raise LookupError("Scheduler._admission_gate_open: no `not step.preempted_reqs` where the flowchart "
+                          "expects the gate")
+    # schedule(): the running loop, then the gate, whose `if` holds the waiting loop, then the output
+    sched = trees["schedule"][0]
+    order = [first_call("schedule", n).lineno for n in
+             ("_schedule_running", "_admission_gate_open", "_schedule_waiting", "_build_scheduler_output")]
+    gate_if = [n for n in ast.walk(sched) if isinstance(n, ast.If) and any(
+        isinstance(c, ast.Call) and _named(c.func, "_admission_gate_open") for c in ast.walk(n.test))]
+    if order != sorted(order) or not gate_if or not any(
+            isinstance(c, ast.Call) and _named(c.func, "_schedule_waiting") for b in gate_if[0].body
+            for c in ast.walk(b)):
+        raise LookupError("Scheduler.schedule: the running loop no longer comes before the gate and the waiting "
+                          "loop (only when the gate is open), then the output")
+    lookup = first_if("_schedule_waiting", lambda t: _named(t, "did_prefix_cache_lookup"), "did_prefix_cache_lookup")
     was_preempted = first_if(
-        waiting, lambda t: isinstance(t, ast.Compare) and any(isinstance(c, ast.Attribute) and c.attr == "PREEMPTED"
-                                                             for c in t.comparators),
+        "_schedule_waiting", lambda t: isinstance(t, ast.Compare) and any(
+            isinstance(c, ast.Attribute) and c.attr == "PREEMPTED" for c in t.comparators),
         "request.status == RequestStatus.PREEMPTED")
-    admit = first_call(waiting, "allocate_slots")
+    admit = first_call("_schedule_waiting", "allocate_slots", node=waiting)
     full_isl = next((k for k in admit.keywords if k.arg == "full_sequence_must_fit"
                      and any(isinstance(n, ast.Attribute) and n.attr == "scheduler_reserve_full_isl"
                              for n in ast.walk(k.value))), None)
     if full_isl is None:
-        raise LookupError("Scheduler.schedule: the waiting loop's allocate_slots() no longer passes "
+        raise LookupError("Scheduler._schedule_waiting: the waiting loop's allocate_slots() no longer passes "
                           "full_sequence_must_fit=cfg.scheduler_reserve_full_isl")
-    budget = sorted((n for n in ast.walk(waiting) if isinstance(n, ast.AugAssign) and is_name(n.target, "token_budget")
+    budget = sorted((n for n in ast.walk(waiting) if isinstance(n, ast.AugAssign) and _named(n.target, "token_budget")
                      and isinstance(n.op, ast.Sub)), key=lambda n: n.lineno)
     if not budget:
-        raise LookupError("Scheduler.schedule: the waiting loop no longer subtracts from token_budget")
-    output = first_call(tree, "SchedulerOutput")
+        raise LookupError("Scheduler._schedule_waiting: the waiting loop no longer subtracts from token_budget")
     steps = [
-        FlowStep("running", "running loop: each running request in order,\nwhile budget is left; n = min(tokens "
-                 "left,\nlong_prefill_token_threshold, budget)", running.lineno + off),
+        FlowStep("running", "_schedule_running: each running request\nin order, while budget is left; n = min("
+                 "tokens\nleft, long_prefill_token_threshold, budget)", line("_schedule_running", running)),
         FlowStep("allocate", "kv_cache_manager.allocate_slots(request, n)\nblocks free?",
-                 first_call(running, "allocate_slots").lineno + off, "decision"),
+                 line("_allocate_slots_or_preempt", first_call("_allocate_slots_or_preempt", "allocate_slots")),
+                 "decision"),
         FlowStep("preempt", "victim = _pick_victim(); _preempt_request(victim)\nits blocks freed, "
                  "num_computed_tokens = 0,\nstatus PREEMPTED, front of the waiting queue",
-                 first_call(running, "_preempt_request").lineno + off),
+                 line("_allocate_slots_or_preempt", first_call("_allocate_slots_or_preempt", "_preempt_request"))),
         FlowStep("scheduled", "running_scheduled.append(request)\nschedule n tokens, budget -= n",
-                 first_call(running, "append", on="running_scheduled").lineno + off),
-        FlowStep("gate", "if not preempted_reqs:\nnobody preempted in this step?", gate.lineno + off, "decision"),
-        FlowStep("waiting", "waiting loop: the queue head (a new or a\npreempted request), while budget "
-                 "and\nmax_num_seqs allow", waiting.lineno + off),
-        FlowStep("lookup", "num_computed_tokens == 0?\n(new, or preempted: reset to 0)", lookup.lineno + off,
-                 "decision"),
-        FlowStep("prefix", "kv_cache_manager.get_computed_blocks(request)\nprefix-cache hits: its full blocks "
-                 "still cached", first_call(waiting, "get_computed_blocks").lineno + off),
+                 line("_schedule_running", first_call("_schedule_running", "append", on="running_scheduled",
+                                                      node=running))),
+        FlowStep("gate", "_admission_gate_open:\nnot preempted_reqs? (nobody\npreempted in this step)",
+                 line("_admission_gate_open", gate[0]), "decision"),
+        FlowStep("waiting", "_schedule_waiting: the queue head (a new\nor a preempted request), while budget "
+                 "and\nmax_num_seqs allow", line("_schedule_waiting", waiting)),
+        FlowStep("lookup", "num_computed_tokens == 0?\n(new, or preempted: reset to 0)",
+                 line("_schedule_waiting", lookup), "decision"),
+        FlowStep("prefix", "_prefix_cache_lookup: kv_cache_manager.\nget_computed_blocks(request): prefix-cache\n"
+                 "hits, its full blocks still cached",
+                 line("_prefix_cache_lookup", first_call("_prefix_cache_lookup", "get_computed_blocks"))),
         FlowStep("match", "connector.get_num_new_matched_tokens(\nrequest, n_local): tokens it can load",
-                 first_call(waiting, "get_num_new_matched_tokens").lineno + off),
-        FlowStep("full_isl", "full_sequence_must_fit =\ncfg.scheduler_reserve_full_isl?", full_isl.value.lineno + off,
-                 "decision"),
-        FlowStep("admit", "kv_cache_manager.allocate_slots(\nrequest, n, ...)\nblocks free?", admit.lineno + off,
-                 "decision"),
+                 line("_prefix_cache_lookup", first_call("_prefix_cache_lookup", "get_num_new_matched_tokens"))),
+        FlowStep("full_isl", "full_sequence_must_fit =\ncfg.scheduler_reserve_full_isl?",
+                 line("_schedule_waiting", full_isl.value), "decision"),
+        FlowStep("admit", "kv_cache_manager.allocate_slots(\nrequest, n, ...)\nblocks free?",
+                 line("_schedule_waiting", admit), "decision"),
         FlowStep("after_alloc", "connector.update_state_after_alloc(...)\npop from waiting, append to running\n"
                  "(an async load: WAITING_FOR_REMOTE_KVS, next)",
-                 first_call(waiting, "update_state_after_alloc").lineno + off),
-        FlowStep("was_preempted", "request.status ==\nPREEMPTED?", was_preempted.lineno + off, "decision"),
+                 line("_schedule_waiting", first_call("_schedule_waiting", "update_state_after_alloc", node=waiting))),
+        FlowStep("was_preempted", "request.status ==\nPREEMPTED?", line("_schedule_waiting", was_preempted),
+                 "decision"),
         FlowStep("resumed", "resumed_reqs.append(request)\nresumed: all its tokens prefilled again",
-                 first_call(waiting, "append", on="resumed_reqs").lineno + off),
-        FlowStep("new", "new_reqs.append(request)", first_call(waiting, "append", on="new_reqs").lineno + off),
+                 line("_schedule_waiting", first_call("_schedule_waiting", "append", on="resumed_reqs", node=waiting))),
+        FlowStep("new", "new_reqs.append(request)",
+                 line("_schedule_waiting", first_call("_schedule_waiting", "append", on="new_reqs", node=waiting))),
         FlowStep("admitted", "status = RUNNING, schedule n tokens,\nbudget -= n; then the next waiting request",
-                 budget[-1].lineno + off),
-        FlowStep("output", "SchedulerOutput(new, cached (resumed_req_ids),\nnum_scheduled_tokens, "
-                 "preempted_req_ids,\nfinished_req_ids)", output.lineno + off, "io"),
+                 line("_schedule_waiting", budget[-1])),
+        FlowStep("output", "_build_scheduler_output: SchedulerOutput(new,\ncached (resumed_req_ids), "
+                 "num_scheduled_tokens,\npreempted_req_ids, finished_req_ids)",
+                 line("_build_scheduler_output", first_call("_build_scheduler_output", "SchedulerOutput")), "io"),
         FlowStep("meta", "connector.build_connector_meta(output)\nonce per call, even with nothing scheduled",
-                 first_call(tree, "build_connector_meta").lineno + off, "io"),
+                 line("schedule", first_call("schedule", "build_connector_meta")), "io"),
         FlowStep("advance", "_update_after_schedule(output)\nnum_computed_tokens += scheduled",
-                 first_call(tree, "_update_after_schedule").lineno + off),
+                 line("schedule", first_call("schedule", "_update_after_schedule"))),
     ]
     lines = [s.line for s in steps]
-    gate_line = next(s.line for s in steps if s.key == "gate")
-    if not all(s.line < gate_line for s in steps[:4]) or not all(s.line > gate_line for s in steps[5:]):
-        raise LookupError("Scheduler.schedule: the running loop no longer comes before the gate and the waiting loop")
     assert len(set(lines)) == len(lines), lines
     return steps
 
@@ -208,11 +245,11 @@ _FLOW_EDGES: List[Tuple[str, str, str, Dict[str, str]]] = [
 
 # which boxes each part of schedule() holds (a Graphviz cluster each; the others, the gate, lie between them)
 _FLOW_PARTS = [
-    ("1. running requests", ["running", "allocate", "preempt", "scheduled"]),
-    ("2. waiting requests, only in a step that preempted nobody",
+    ("1. running requests (_schedule_running)", ["running", "allocate", "preempt", "scheduled"]),
+    ("2. waiting requests (_schedule_waiting), only in a step that preempted nobody",
      ["waiting", "lookup", "prefix", "match", "full_isl", "admit", "after_alloc", "was_preempted", "resumed", "new",
       "admitted"]),
-    ("3. the output", ["output", "meta", "advance"]),
+    ("3. the output (_build_scheduler_output, then schedule())", ["output", "meta", "advance"]),
 ]
 
 
@@ -468,10 +505,10 @@ class Transition:
 
 # (source, target, where, why): checked against the code by request_state_machine()
 _TRANSITIONS = [
-    ("WAITING", "RUNNING", "Scheduler.schedule", "admitted"),
-    ("PREEMPTED", "RUNNING", "Scheduler.schedule", "resumed"),
-    ("WAITING", "WAITING_FOR_REMOTE_KVS", "Scheduler.schedule", "async connector load"),
-    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS", "Scheduler.schedule", "async connector load"),
+    ("WAITING", "RUNNING", "Scheduler._schedule_waiting", "admitted"),
+    ("PREEMPTED", "RUNNING", "Scheduler._schedule_waiting", "resumed"),
+    ("WAITING", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", "async connector load"),
+    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", "async connector load"),
     ("WAITING_FOR_REMOTE_KVS", "WAITING",
      "Scheduler._update_waiting_for_remote_kv | Scheduler._release_blocks_of_waiting_requests",
      "load finished, or blocks released"),
@@ -611,23 +648,50 @@ def connector_calls() -> List[ConnectorCall]:
         side = "worker" if line > marks[1][0] else "scheduler"
         methods.append((name, side))
     sites: Dict[str, List[Tuple[str, int, str]]] = {m: [] for m, _ in methods}
+    # the place of each call site in a step: its line, behind the lines of the calls that lead to its function
+    # from schedule() (Scheduler.schedule is split into methods, issue 26: a call in _schedule_waiting happens
+    # where schedule() calls _schedule_waiting, before the build_connector_meta that schedule() calls after it)
+    when: Dict[Tuple[str, int], Tuple[int, ...]] = {}
     pkg = ROOT / "minivllm"
     for d in ENGINE_DIRS:
         for f in sorted((pkg / d).rglob("*.py")):
             tree = ast.parse(f.read_text(encoding="utf-8"))
-            for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            funcs = [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+            entry = _entry_lines({fn.name: fn for fn in funcs}, "schedule")
+            for func in funcs:
                 for call in ast.walk(func):
                     if (isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute)
                             and call.func.attr in sites):
-                        sites[call.func.attr].append((str(f.relative_to(ROOT)), call.lineno, func.name))
-    out = []
+                        rel = str(f.relative_to(ROOT))
+                        sites[call.func.attr].append((rel, call.lineno, func.name))
+                        when[(rel, call.lineno)] = entry.get(func.name, ()) + (call.lineno,)
+    out, order = [], {}
     for name, side in methods:
         uniq = sorted(set(sites[name]), key=lambda s: (s[0], s[1]))
         out.append(ConnectorCall(name, side, tuple(f"{f}:{ln} {fn}()" for f, ln, fn in uniq)))
-    order = {c.method: (max((int(s.split(":")[1].split()[0]) for s in c.call_sites), default=10**9))
-             for c in out}
+        order[name] = max((when[(f, ln)] for f, ln, _ in uniq), default=(10**9,))
     side_rank = {"scheduler": 0, "worker": 1}
     return sorted(out, key=lambda c: (side_rank[c.side], order[c.method]))
+
+
+def _entry_lines(funcs: Dict[str, ast.AST], root: str) -> Dict[str, Tuple[int, ...]]:
+    """For each function reachable from ``root`` through ``self.<method>(...)`` calls among ``funcs`` (one
+    file's), the lines of the calls that lead to it from ``root``, first path found (breadth first)."""
+    if root not in funcs:
+        return {}
+    entry: Dict[str, Tuple[int, ...]] = {root: ()}
+    todo = [root]
+    while todo:
+        name = todo.pop(0)
+        calls = sorted((c for c in ast.walk(funcs[name]) if isinstance(c, ast.Call)
+                        and isinstance(c.func, ast.Attribute) and isinstance(c.func.value, ast.Name)
+                        and c.func.value.id == "self" and c.func.attr in funcs), key=lambda c: c.lineno)
+        for c in calls:
+            callee = c.func.attr  # type: ignore[attr-defined]
+            if callee not in entry:
+                entry[callee] = entry[name] + (c.lineno,)
+                todo.append(callee)
+    return entry
 
 
 def connector_calls_graph():

@@ -14,6 +14,7 @@ from typing import Any, Optional, Tuple, Union
 import torch
 
 from minivllm import envs
+from minivllm.attention.selector import check_attention_backend
 from minivllm.config import (CacheConfig, KVTransferConfig, LoadConfig, ModelConfig, ParallelConfig, SchedulerConfig,
                              VllmConfig, max_model_len_error)
 
@@ -116,8 +117,11 @@ class EngineArgs:
             the model's architecture), as vLLM's ``LoadConfig.load_format``.
         kv_connector: a ``KVConnectorBase`` instance, or ``None`` (vLLM takes a ``kv_transfer_config`` and builds
             the connector itself; minivllm takes the object so the course can hand in its own).
-        attention_backend: ``None`` (default: chosen from device and dtype), or ``"REFERENCE"``, ``"TORCH_SDPA"``,
-            ``"CPU_ATTN"``, ``"TRITON_ATTN"`` (``minivllm.attention.selector.get_attn_backend``).
+        attention_backend: ``None`` (default: chosen from device and dtype), ``"REFERENCE"``, ``"TORCH_SDPA"``,
+            ``"CPU_ATTN"``, ``"TRITON_ATTN"``, or an ``AttentionBackend`` subclass, a backend of one's own (vLLM's
+            ``--attention-backend``; vLLM registers a custom class as ``CUSTOM`` first; see
+            ``minivllm.attention.selector``). Under ``tensor_parallel_size > 1`` a class must be importable by
+            name (defined at a module's top level): the worker processes receive it pickled.
         enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``).
         model_runner: ``"v1"`` or ``"v2"`` (Model Runner V2, ``minivllm/worker/v2/``). ``None`` (default): vLLM's
             ``VLLM_USE_V2_MODEL_RUNNER`` environment variable chooses (``1``: V2, ``0``: V1), V1 when it is unset.
@@ -152,7 +156,7 @@ class EngineArgs:
     seed: int = 0
     load_format: str = "auto"
     kv_connector: Any = None
-    attention_backend: Optional[str] = None
+    attention_backend: Any = None
     enforce_eager: bool = False
     model_runner: Optional[str] = None
     async_scheduling: bool = False
@@ -198,6 +202,7 @@ class EngineArgs:
         for name in ("async_scheduling", "scheduler_reserve_full_isl"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+        check_attention_backend(self.attention_backend)
         CacheConfig(self.block_size, self.num_gpu_blocks, self.kv_cache_memory_bytes,
                     gpu_memory_utilization=self.gpu_memory_utilization).verify()
         parallel_config = ParallelConfig(self.tensor_parallel_size, self.distributed_executor_backend)

@@ -26,7 +26,7 @@ tables); minivllm shares these phases so that the two files show only what V2 ch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import numpy as np
 import torch
@@ -117,7 +117,8 @@ class ModelRunnerBase:
         device: torch device of the model and cache.
         seed: seed of the shared generator used by requests without their own ``seed``.
         connector: optional KV connector (worker side).
-        attention_backend: a backend name (``get_attn_backend``) or ``None`` to choose from device and dtype.
+        attention_backend: a backend name or an ``AttentionBackend`` subclass (``get_attn_backend``), or ``None``
+            to choose from device and dtype.
         enforce_eager: never replay CUDA graphs (vLLM's ``enforce_eager``); without it, pure-decode steps on CUDA
             are replayed from graphs when the backend supports them.
     """
@@ -132,7 +133,7 @@ class ModelRunnerBase:
         device: torch.device,
         seed: int = 0,
         connector: Optional["KVConnectorBase"] = None,
-        attention_backend: Optional[str] = None,
+        attention_backend: Any = None,
         enforce_eager: bool = False,
     ) -> None:
         self.model = model
