@@ -3,6 +3,13 @@ tokenizer or JSON parser chokes on, oversized bodies, a dead engine, the server'
 
 Each server runs in-process (uvicorn in a thread, loopback only, a port the OS picks) on the tiny model; every wait
 is bounded in time and every loop in count.
+
+Wall-clock bounds (a neighbour stream's longest gap under 0.5 s, keep-alive latency) fail only when they fail twice
+running (``measured_twice``): the suite runs on two xdist workers beside notebooks on two shared cores, where one
+measurement was seen at 0.59 s (load 4.3) without any stall. A stall reproduces: issue 28's were 0.5-52 s every
+time, and a stall put back on purpose fails both measurements (0.8 s of synchronous work on the event loop for
+each body over 500 KB, as the checks issue 28 fixed did: the oversized-body test missed its bound twice; with the
+prompt and message checks of d24ca77 and a32873f reverted, its neighbour stalled 13.9 s).
 """
 
 from __future__ import annotations
@@ -24,6 +31,19 @@ from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
 
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
+
+
+def measured_twice(measure, missed, what):
+    """``measure()``'s result, measured a second time when ``missed(result)`` says a wall-clock bound was missed;
+    the caller asserts its bounds on the result returned, so a bound fails only when both measurements miss it.
+
+    Machine load (two xdist workers and notebooks on two cores) slows one measurement now and then; a real stall
+    (a request holding the event loop or the engine thread) slows every one, and so still fails."""
+    result = measure()
+    if missed(result):
+        print(f"{what}: first measurement missed its bound ({result!r:.300}); measuring again")
+        result = measure()
+    return result
 
 
 class ServerThread:
@@ -61,15 +81,19 @@ def tiny():
 def test_keep_alive_requests_are_not_delayed_by_nagle(tiny):
     # Every request after the first on one connection used to wait ~40 ms for the client's delayed ACK.
     _async_llm, server = tiny
-    with httpx.Client(base_url=server.base, timeout=10) as client:
-        assert client.get("/v1/models").status_code == 200  # opens the connection
-        times = []
-        for _ in range(8):
-            t0 = time.perf_counter()
-            assert client.get("/v1/models").status_code == 200
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    # Nagle makes every one of them >= 40 ms; a busy machine may slow some, not all.
+
+    def measure():
+        with httpx.Client(base_url=server.base, timeout=10) as client:
+            assert client.get("/v1/models").status_code == 200  # opens the connection
+            times = []
+            for _ in range(8):
+                t0 = time.perf_counter()
+                assert client.get("/v1/models").status_code == 200
+                times.append(time.perf_counter() - t0)
+        return sorted(times)
+
+    # Nagle makes every one of them >= 40 ms, each time; a busy machine may slow some, not all, and not twice.
+    times = measured_twice(measure, lambda t: not (t[0] < 0.005 and t[len(t) // 2] < 0.02), "keep-alive latency")
     assert times[0] < 0.005 and times[len(times) // 2] < 0.02, times
 
 
@@ -196,10 +220,14 @@ def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
                 t0 = time.perf_counter()
                 r = await client.post(path, content=body, headers={"content-type": "application/json"})
                 answers.append((r.status_code, r.json(), time.perf_counter() - t0))
-        assert not neighbour.done()  # the bad requests were answered while the neighbour streamed
-        return answers, await asyncio.wait_for(neighbour, 60)
+        overlapped = not neighbour.done()  # the bad requests were answered while the neighbour streamed
+        return answers, await asyncio.wait_for(neighbour, 60), overlapped
 
-    answers, (tokens, finish, gap) = asyncio.run(main())
+    # The rule of this module's docstring: a gap of 0.5 s, an answer of 5 s, or a neighbour that ended before the
+    # answers (so its gaps do not cover them) fails only when measured twice.
+    answers, (tokens, finish, gap), overlapped = measured_twice(
+        lambda: asyncio.run(main()), lambda r: r[1][2] >= 0.5 or any(t >= 5 for *_x, t in r[0]) or not r[2],
+        "oversized bodies beside a stream")
     assert answers[0][0] == 413 and answers[0][1]["error"]["type"] == "RequestEntityTooLargeError", answers[0][:2]
     # Refused by its length before any id is looked at (test_a_token_id_prompt_over_max_model_len_...).
     assert answers[1][0] == 400 and "prompt length (500001 tokens)" in answers[1][1]["error"]["message"]
@@ -207,6 +235,7 @@ def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
     assert all(t < 5 for *_x, t in answers), [t for *_x, t in answers]
     assert len(tokens) == 200 and finish == "length"
     assert gap < 0.5, gap
+    assert overlapped, "the neighbour stream ended before the bad requests were answered"
 
 
 def test_prompt_over_max_model_len_is_refused_before_the_engine(tiny, monkeypatch):
