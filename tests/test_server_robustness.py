@@ -665,7 +665,8 @@ def _scanned(monkeypatch):
 def test_long_stop_and_logit_bias_lists_are_refused_by_their_length_first(tiny, monkeypatch):
     # Near the real model's 5 MB body limit: 1.3 million stop strings, 2.6 million stop_token_ids (ending in a
     # string) or 470,000 logit_bias keys held the event loop (and the engine thread, for logit_bias) while each item
-    # was checked: a neighbour stream's longest gap of 0.9-1.1 s, 0.5-0.7 s and 1.8-2.3 s, live on SmolLM2. Now
+    # was checked: a neighbour stream's longest gap of 0.9-1.1 s, 0.5-0.7 s and 1.8-2.3 s, live on SmolLM2 at load
+    # 5 (see protocol.vocab_size_limit for the numbers after). Now
     # ``stop`` takes at most vLLM's 4 strings (VLLM_MAX_STOP_STRINGS) and the two id lists at most the vocabulary's
     # size (512 for tiny), checked by len() before any item is.
     _, server = tiny

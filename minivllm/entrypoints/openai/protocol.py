@@ -98,8 +98,10 @@ prompt_token_limit: ContextVar[Optional[int]] = ContextVar("prompt_token_limit",
 # every ``logit_bias`` key, and ``_validate_stop_token_ids`` / ``_validate_logit_bias`` then refuse any id outside
 # the vocabulary (https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/sampling_params.py#L1047-L1090).
 # minivllm adds it because one 5 MB body holds 2.6 million stop token ids or 470,000 logit_bias keys, whose checks
-# held the event loop, and so every other stream, 0.5-0.7 s and 1.8-2.3 s (measured live, SmolLM2's 5 MB body
-# limit, on a 2-core AMD EPYC). A request past the bound names an id outside the vocabulary, which vLLM refuses
+# held the event loop, and so every other stream: a neighbour's longest gap of 0.5-0.7 s and 1.8-2.3 s (live,
+# SmolLM2's 5 MB body limit, a 2-core AMD EPYC at load 5; 0.25-0.29 s and 0.54-0.60 s at load 3), against
+# 0.22-0.29 s and 0.72-1.09 s (0.14-0.15 s and 0.21-0.26 s) with the bound; what is left is mostly json.loads
+# itself (0.65-0.79 s for the 470,000 keys at load 5), which no bound on a field avoids. A request past the bound names an id outside the vocabulary, which vLLM refuses
 # too, or names one id more than once (copies of a valid stop token id, which vLLM keeps once; a logit_bias id
 # spelt both "1" and "01"), which vLLM serves and minivllm refuses.
 vocab_size_limit: ContextVar[Optional[int]] = ContextVar("vocab_size_limit", default=None)
@@ -107,8 +109,9 @@ vocab_size_limit: ContextVar[Optional[int]] = ContextVar("vocab_size_limit", def
 # vLLM 0.32's ``VLLM_MAX_STOP_STRINGS`` (default 4): the most stop strings a request to the server may have, a
 # bound its protocol puts on ``stop`` (``StopParam``, ``Field(max_length=...)``:
 # https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/entrypoints/generate/base/protocol.py#L26-L28). The
-# detokenizer looks for every stop string after each step, and 1.3 million of them in a 5 MB body held the event
-# loop 0.9-1.1 s before the request even ran. minivllm has no setting for it (vLLM reads the environment
+# detokenizer looks for every stop string after each step, and 1.3 million of them in a 5 MB body (a two-token
+# request) gave a neighbour stream gaps of 0.9-1.1 s at load 5 (0.28-0.31 s at load 3); refused, 0.16-0.25 s
+# (0.07-0.08 s, its baseline). minivllm has no setting for it (vLLM reads the environment
 # variable); the offline ``SamplingParams`` takes any number, as vLLM's does.
 MAX_STOP_STRINGS = 4
 
