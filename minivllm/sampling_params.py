@@ -65,9 +65,13 @@ class SamplingParams:
         min_tokens: EOS and ``stop_token_ids`` are suppressed until this many tokens were generated (EOS also
             with ``ignore_eos``, as in vLLM).
         stop: Stop strings. Generation stops when the detokenized output contains one; the text is cut before
-            it unless ``include_stop_str_in_output``.
+            it unless ``include_stop_str_in_output``. Any number here, as in vLLM; the server takes at most
+            4, vLLM's ``VLLM_MAX_STOP_STRINGS`` (``protocol.MAX_STOP_STRINGS``): each is looked for after every
+            step.
         stop_token_ids: Extra token ids that end generation (the token is kept in ``token_ids``); kept once each,
-            in their order (vLLM keeps repeats).
+            in their order, as vLLM 0.32 keeps them
+            (https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/sampling_params.py#L579-L582). The server
+            refuses more than the vocabulary has ids before looking at them (``protocol.vocab_size_limit``).
         ignore_eos: Keep generating after EOS (benchmarks use this).
         include_stop_str_in_output: Keep the matched stop string at the end of the text.
         skip_special_tokens: Drop special tokens when detokenizing.
@@ -134,9 +138,8 @@ class SamplingParams:
                 bias[t] = min(100.0, max(-100.0, float(b)))  # vLLM's clamp (SamplingParams.from_optional)
             self.logit_bias = bias
         self._verify()
-        # Kept once each, in order: a repeated id stops nothing more, but the scheduler looks for the last token
-        # in this list after every step (a 5 MB request body can hold 2.4 million ids). Where minivllm differs
-        # from vLLM 0.32, which keeps the list as given (sampling_params.py, check_stop in core/sched/utils.py).
+        # Kept once each, in order, as vLLM 0.32's __post_init__ does: a repeated id stops nothing more, but the
+        # scheduler looks for the last token in this list after every step (check_stop in core/sched/utils.py).
         self.stop_token_ids = list(dict.fromkeys(self.stop_token_ids))
 
     def _verify(self) -> None:

@@ -3,8 +3,15 @@ oversized bodies (a declared 50 MB, a chunked 5 MB) and a storm of clients that 
 streaming and ten whole requests), while neighbour streams run one after another.
 
 What must hold: every bad request gets a 4xx with OpenAI's error body of bounded size (never a 500, never FastAPI's
-``{"detail": ...}``); the server logs no traceback; the neighbour gets all its tokens with no gap of 0.5 s or more;
-afterwards the engine is idle with every KV block free and ``/metrics`` says so. About 10 s on two busy cores.
+``{"detail": ...}``); the server logs no traceback; the neighbour gets all its tokens with no gap of 0.5 s or more
+(1.5 s during the storm); afterwards the engine is idle with every KV block free and ``/metrics`` says so. About
+10 s on two busy cores.
+
+The gap bounds fail only for a stall that reproduces: a phase whose longest gap misses its bound is run again
+beside a new neighbour, and the test fails only if the second run misses it too. On two shared cores (CI: two xdist
+workers beside notebooks) one run was measured at 0.59 s at load 4.3 with nothing stalled; the stalls of issue 28
+were 0.5-52 s on every run, and a stall put back on purpose fails both runs (0.8 s of synchronous work on the
+event loop for each body over 500 KB: 0.85 s, then 0.84 s).
 """
 
 from __future__ import annotations
@@ -35,6 +42,9 @@ def _bad_inputs():
 
     def j(**kw):
         return json.dumps({**good, **kw}).encode()
+
+    def compact(**kw):
+        return json.dumps({**good, **kw}, separators=(",", ":")).encode()
 
     cases = [
         ("/v1/completions", b'{"model": "tiny", "prompt": [1, 2', JSON, 400),
@@ -67,6 +77,10 @@ def _bad_inputs():
         ("/v1/completions", j(prompt="\ud800 lone surrogate"), JSON, 400),
         ("/v1/completions", j(stop_token_ids=[1] * 1000 + ["x"]), JSON, 400),
         ("/v1/completions", j(stop=["a"] * 1000 + [1]), JSON, 400),
+        # Near the body limit (1 MB here, 5 MB for SmolLM2): refused by their length before any item is checked.
+        ("/v1/completions", compact(stop_token_ids=[1] * 500_000 + ["x"]), JSON, 400),
+        ("/v1/completions", compact(stop=["a"] * 250_000), JSON, 400),
+        ("/v1/completions", compact(logit_bias={str(i): 1 for i in range(90_000)}), JSON, 400),
         ("/v1/completions", j(frequency_penalty=3.0), JSON, 400),
         ("/v1/completions", j(logit_bias={"1": "x"}), JSON, 400),
         ("/v1/completions", j(logit_bias={"x": 1}), JSON, 400),
@@ -158,31 +172,46 @@ def test_adversarial_inputs_disconnects_and_oversized_bodies_beside_a_stream(ser
         while not stop.is_set() and len(results) < 200:
             results.append(await _neighbour(srv.base, started, gaps))
 
-    async def attack():
+    bad, storm = "bad inputs and oversized bodies", "disconnect storm"
+    bounds = {bad: 0.5, storm: 1.5}  # 30 requests arriving at once share the engine's steps with the neighbour
+
+    async def attack(names):
         stop, started, results, gaps, phases = asyncio.Event(), asyncio.Event(), [], [], []
         neighbour = asyncio.create_task(neighbours(stop, started, results, gaps))
         await asyncio.wait_for(started.wait(), 30)
-        answers = []
+        answers, big, streamed = [], None, None
         async with httpx.AsyncClient(base_url=srv.base, timeout=60) as client:
-            t = time.perf_counter()
-            for path, body, headers, _status in cases:
-                answers.append(await client.post(path, content=body, headers=headers))
-            big = await client.post("/v1/completions", content=huge, headers=JSON)
-            streamed = await client.post("/v1/completions", content=chunked(), headers=JSON)
-            phases.append(("bad inputs and oversized bodies", t, time.perf_counter()))
-            t = time.perf_counter()
-            for _ in range(3):
-                await _disconnect_storm(srv.base, 10)
-            phases.append(("disconnect storm", t, time.perf_counter()))
+            if bad in names:
+                t = time.perf_counter()
+                for path, body, headers, _status in cases:
+                    answers.append(await client.post(path, content=body, headers=headers))
+                big = await client.post("/v1/completions", content=huge, headers=JSON)
+                streamed = await client.post("/v1/completions", content=chunked(), headers=JSON)
+                phases.append((bad, t, time.perf_counter()))
+            if storm in names:
+                t = time.perf_counter()
+                for _ in range(3):
+                    await _disconnect_storm(srv.base, 10)
+                phases.append((storm, t, time.perf_counter()))
         await asyncio.sleep(0.3)  # a chunk after the last phase, to see a stall that outlasted it
         stop.set()
         await asyncio.wait_for(neighbour, 60)
-        return answers, big, streamed, results, gaps, phases
+        # The longest gap of a neighbour chunk arriving during each phase (or just after it).
+        longest = {name: max([g for at, g in gaps if t_start <= at <= t_end + 1.0] or [0.0])
+                   for name, t_start, t_end in phases}
+        return answers, big, streamed, results, longest
 
     try:
         t0 = time.monotonic()
-        answers, big, streamed, results, gaps, phases = asyncio.run(asyncio.wait_for(attack(), 120))
+        answers, big, streamed, results, longest = asyncio.run(asyncio.wait_for(attack((bad, storm)), 120))
         elapsed = time.monotonic() - t0
+        # The module's rule: a phase that missed its gap bound runs again, and only a second miss fails.
+        again = [name for name in bounds if longest[name] >= bounds[name]]
+        retried = {}
+        if again:
+            print(f"adversarial: longest gaps {longest} missed a bound; running {again} again")
+            *_x, more_results, retried = asyncio.run(asyncio.wait_for(attack(again), 120))
+            results += more_results
     finally:
         for name in ("uvicorn.error", "uvicorn", "asyncio", "minivllm.serve"):
             logging.getLogger(name).removeHandler(errors)
@@ -197,12 +226,8 @@ def test_adversarial_inputs_disconnects_and_oversized_bodies_beside_a_stream(ser
     assert streamed.status_code == 413, streamed.text[:200]
     for tokens, finish in results:
         assert len(tokens) == NEIGHBOUR_TOKENS and finish == "length"
-    # The longest gap of a neighbour chunk arriving during each phase (or just after it). 30 requests arriving at
-    # once share the engine's steps with the neighbour: a slower step there is scheduling, not a stall.
-    longest = {name: max([g for at, g in gaps if t_start <= at <= t_end + 1.0] or [0.0])
-               for name, t_start, t_end in phases}
-    assert longest["bad inputs and oversized bodies"] < 0.5, longest
-    assert longest["disconnect storm"] < 1.5, longest
+    for name, bound in bounds.items():
+        assert retried.get(name, longest[name]) < bound, (name, "first run", longest, "second run", retried)
     assert not errors.records, [r.getMessage() for r in errors.records][:3]
     deadline = time.monotonic() + 15
     engine = async_llm.engine
@@ -213,4 +238,4 @@ def test_adversarial_inputs_disconnects_and_oversized_bodies_beside_a_stream(ser
     assert 'vllm:num_requests_running{engine="0",model_name="tiny"} 0.0' in metrics
     assert httpx.get(srv.base + "/health", timeout=10).status_code == 200
     print(f"adversarial: {len(cases)} bad inputs, 2 oversized bodies, 60 disconnects in {elapsed:.1f} s beside "
-          f"{len(results)} neighbour streams; longest gaps (s): {longest}")
+          f"{len(results)} neighbour streams; longest gaps (s): {longest}, run again: {retried}")

@@ -3,6 +3,13 @@ tokenizer or JSON parser chokes on, oversized bodies, a dead engine, the server'
 
 Each server runs in-process (uvicorn in a thread, loopback only, a port the OS picks) on the tiny model; every wait
 is bounded in time and every loop in count.
+
+Wall-clock bounds (a neighbour stream's longest gap under 0.5 s, keep-alive latency) fail only when they fail twice
+running (``measured_twice``): the suite runs on two xdist workers beside notebooks on two shared cores, where one
+measurement was seen at 0.59 s (load 4.3) without any stall. A stall reproduces: issue 28's were 0.5-52 s every
+time, and a stall put back on purpose fails both measurements (0.8 s of synchronous work on the event loop for
+each body over 500 KB, as the checks issue 28 fixed did: the oversized-body test missed its bound twice; with the
+prompt and message checks of d24ca77 and a32873f reverted, its neighbour stalled 13.9 s).
 """
 
 from __future__ import annotations
@@ -24,6 +31,19 @@ from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
 
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
+
+
+def measured_twice(measure, missed, what):
+    """``measure()``'s result, measured a second time when ``missed(result)`` says a wall-clock bound was missed;
+    the caller asserts its bounds on the result returned, so a bound fails only when both measurements miss it.
+
+    Machine load (two xdist workers and notebooks on two cores) slows one measurement now and then; a real stall
+    (a request holding the event loop or the engine thread) slows every one, and so still fails."""
+    result = measure()
+    if missed(result):
+        print(f"{what}: first measurement missed its bound ({result!r:.300}); measuring again")
+        result = measure()
+    return result
 
 
 class ServerThread:
@@ -61,15 +81,19 @@ def tiny():
 def test_keep_alive_requests_are_not_delayed_by_nagle(tiny):
     # Every request after the first on one connection used to wait ~40 ms for the client's delayed ACK.
     _async_llm, server = tiny
-    with httpx.Client(base_url=server.base, timeout=10) as client:
-        assert client.get("/v1/models").status_code == 200  # opens the connection
-        times = []
-        for _ in range(8):
-            t0 = time.perf_counter()
-            assert client.get("/v1/models").status_code == 200
-            times.append(time.perf_counter() - t0)
-    times.sort()
-    # Nagle makes every one of them >= 40 ms; a busy machine may slow some, not all.
+
+    def measure():
+        with httpx.Client(base_url=server.base, timeout=10) as client:
+            assert client.get("/v1/models").status_code == 200  # opens the connection
+            times = []
+            for _ in range(8):
+                t0 = time.perf_counter()
+                assert client.get("/v1/models").status_code == 200
+                times.append(time.perf_counter() - t0)
+        return sorted(times)
+
+    # Nagle makes every one of them >= 40 ms, each time; a busy machine may slow some, not all, and not twice.
+    times = measured_twice(measure, lambda t: not (t[0] < 0.005 and t[len(t) // 2] < 0.02), "keep-alive latency")
     assert times[0] < 0.005 and times[len(times) // 2] < 0.02, times
 
 
@@ -196,10 +220,14 @@ def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
                 t0 = time.perf_counter()
                 r = await client.post(path, content=body, headers={"content-type": "application/json"})
                 answers.append((r.status_code, r.json(), time.perf_counter() - t0))
-        assert not neighbour.done()  # the bad requests were answered while the neighbour streamed
-        return answers, await asyncio.wait_for(neighbour, 60)
+        overlapped = not neighbour.done()  # the bad requests were answered while the neighbour streamed
+        return answers, await asyncio.wait_for(neighbour, 60), overlapped
 
-    answers, (tokens, finish, gap) = asyncio.run(main())
+    # The rule of this module's docstring: a gap of 0.5 s, an answer of 5 s, or a neighbour that ended before the
+    # answers (so its gaps do not cover them) fails only when measured twice.
+    answers, (tokens, finish, gap), overlapped = measured_twice(
+        lambda: asyncio.run(main()), lambda r: r[1][2] >= 0.5 or any(t >= 5 for *_x, t in r[0]) or not r[2],
+        "oversized bodies beside a stream")
     assert answers[0][0] == 413 and answers[0][1]["error"]["type"] == "RequestEntityTooLargeError", answers[0][:2]
     # Refused by its length before any id is looked at (test_a_token_id_prompt_over_max_model_len_...).
     assert answers[1][0] == 400 and "prompt length (500001 tokens)" in answers[1][1]["error"]["message"]
@@ -207,6 +235,7 @@ def test_oversized_bodies_neither_stall_other_streams_nor_flood_errors(tiny):
     assert all(t < 5 for *_x, t in answers), [t for *_x, t in answers]
     assert len(tokens) == 200 and finish == "length"
     assert gap < 0.5, gap
+    assert overlapped, "the neighbour stream ended before the bad requests were answered"
 
 
 def test_prompt_over_max_model_len_is_refused_before_the_engine(tiny, monkeypatch):
@@ -574,7 +603,8 @@ def test_a_token_id_prompt_over_max_model_len_is_refused_before_its_ids_are_chec
 def test_repeated_stop_token_ids_are_kept_once(tiny):
     # A 5 MB body holds 2.4 million stop_token_ids: the scheduler's check_stop scanned them all after every token
     # (27 ms a step on this CPU, for every request in the batch) and the sampler copied them while min_tokens
-    # held. Only distinct ids can stop a request, so at most the vocabulary's size are kept.
+    # held. Only distinct ids can stop a request, so each is kept once (as vLLM 0.32's SamplingParams does); the
+    # server refuses more than the vocabulary's size outright (test_long_stop_and_logit_bias_lists_...).
     sp = SamplingParams(stop_token_ids=[7] * 100_000 + [3, 7, 3, 9], max_tokens=4)
     assert sp.stop_token_ids == [7, 3, 9] and sp.clone().stop_token_ids == [7, 3, 9]
     with pytest.raises(ValueError, match="stop_token_ids"):
@@ -585,7 +615,7 @@ def test_repeated_stop_token_ids_are_kept_once(tiny):
     async_llm.engine.add_request = lambda rid, prompt, params, *a, **k: (seen.append(params), add(rid, prompt, params,
                                                                                                  *a, **k))[1]
     try:
-        r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "stop_token_ids": [600] * 200_000})
+        r = _post(server, {"model": "tiny", "prompt": [1, 2], "max_tokens": 3, "stop_token_ids": [600] * 500})
     finally:
         del async_llm.engine.add_request
     assert r.status_code == 400 and "600" in r.json()["error"]["message"]  # outside the tiny vocabulary, once
@@ -620,3 +650,69 @@ def test_seed_takes_vllms_int64_range(tiny, seed, status):
     assert r.status_code == status, r.text[:300]
     if status == 400:
         assert r.json()["error"]["param"] == "seed"
+
+
+def _scanned(monkeypatch):
+    """The lengths of the lists ``protocol._first_bad`` looks at item by item, recorded as they come."""
+    from minivllm.entrypoints.openai import protocol
+
+    scanned = []
+    first_bad = protocol._first_bad
+    monkeypatch.setattr(protocol, "_first_bad", lambda items, ok: scanned.append(len(items)) or first_bad(items, ok))
+    return scanned
+
+
+def test_long_stop_and_logit_bias_lists_are_refused_by_their_length_first(tiny, monkeypatch):
+    # Near the real model's 5 MB body limit: 1.3 million stop strings, 2.6 million stop_token_ids (ending in a
+    # string) or 470,000 logit_bias keys held the event loop (and the engine thread, for logit_bias) while each item
+    # was checked: a neighbour stream's longest gap of 0.9-1.1 s, 0.5-0.7 s and 1.8-2.3 s, live on SmolLM2 at load
+    # 5 (see protocol.vocab_size_limit for the numbers after). Now
+    # ``stop`` takes at most vLLM's 4 strings (VLLM_MAX_STOP_STRINGS) and the two id lists at most the vocabulary's
+    # size (512 for tiny), checked by len() before any item is.
+    _, server = tiny
+    scanned = _scanned(monkeypatch)
+    vocab = 512
+    over = {"stop": ["a"] * 100_000 + [1], "stop_token_ids": [1] * 100_000 + ["x"],
+            "logit_bias": {str(i): 1 for i in range(80_000)}}  # 0.95 MB, under tiny's body limit
+    limits = {"stop": 4, "stop_token_ids": vocab, "logit_bias": vocab}
+    for path, extra in (("/v1/completions", {"prompt": [1, 2]}),
+                        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+        for field, value in over.items():
+            for stream in (False, True):
+                body = {"model": "tiny", "max_tokens": 2, "stream": stream, field: value, **extra}
+                _assert_error(_post(server, body, path), 400, field,
+                              f"{field} has 100001 entries, more than the {limits[field]} allowed"
+                              if field != "logit_bias" else
+                              f"{field} has 80000 entries, more than the {limits[field]} allowed")
+    assert all(n < 100_000 for n in scanned), scanned
+    # One past each bound is refused by the same check; at the bound the request goes on.
+    _assert_error(_post(server, {"prompt": [1, 2], "stop": ["a"] * 5}), 400, "stop", "more than the 4 allowed")
+    _assert_error(_post(server, {"prompt": [1, 2], "stop": ["a"] * 4}), 400, "stop", "need a tokenizer")
+    for field, value in (("stop_token_ids", list(range(vocab + 1))),
+                         ("logit_bias", {str(i): -1 for i in range(vocab + 1)})):
+        _assert_error(_post(server, {"prompt": [1, 2], field: value}), 400, field, f"more than the {vocab} allowed")
+    r = _post(server, {"prompt": [1, 2], "max_tokens": 2, "stop_token_ids": list(range(vocab)),
+                       "logit_bias": {str(i): -1 for i in range(vocab)}})
+    assert r.status_code == 200, r.text[:300]
+
+
+def test_the_offline_api_refuses_long_id_lists_with_a_short_clear_error():
+    # The same inputs through SamplingParams / LLMEngine.add_request: a ValueError naming the field and the
+    # vocabulary's size, found by len() (not a scan of each id on the engine thread) and short (vLLM's message,
+    # which lists every bad id, was 3 MB for 470,000 keys).
+    eng = LLMEngine("tiny", num_gpu_blocks=16, max_model_len=64)
+    with pytest.raises(ValueError, match="stop_token_ids") as e:
+        SamplingParams(stop_token_ids=[1] * 100_000 + ["x"])
+    assert len(str(e.value)) < 200
+    for params, field in ((SamplingParams(stop_token_ids=list(range(600))), "stop_token_ids"),
+                          (SamplingParams(logit_bias={i: 1.0 for i in range(100_000)}), "logit_bias")):
+        with pytest.raises(ValueError, match=f"^{field} has {len(params.stop_token_ids or params.logit_bias)} "
+                                             "distinct token ids, more than the vocabulary's 512") as e:
+            eng.add_request(None, [1, 2], params)
+    bias = {i: 1.0 for i in range(500, 600)}  # 100 ids, 88 outside the vocabulary: the first 10 are named
+    with pytest.raises(ValueError, match=r"logit_bias: token_id\(s\) \[512, .*, 521\] \(and 78 more\)") as e:
+        eng.add_request(None, [1, 2], SamplingParams(logit_bias=bias))
+    assert len(str(e.value)) < 200 and not eng.has_unfinished_requests()
+    eng.add_request("ok", [1, 2], SamplingParams(max_tokens=2, stop_token_ids=[7] * 1000 + list(range(512)),
+                                                 logit_bias={i: 0.5 for i in range(512)}))
+    assert eng.has_unfinished_requests()

@@ -124,14 +124,22 @@ class InputProcessor:
             )
         if len(ids) > self.max_model_len:
             raise ValueError(f"prompt length ({len(ids)} tokens) is longer than max_model_len ({self.max_model_len})")
+        # Both are kept once per id (SamplingParams), so more entries than the vocabulary has ids means one
+        # outside it: said by len() before a scan of each (on the engine thread, under AsyncLLM).
+        for name, listed in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):
+            if len(listed) > self.vocab_size:
+                raise ValueError(f"{name} has {len(listed)} distinct token ids, more than the vocabulary's "
+                                 f"{self.vocab_size}: some are outside it")
         bad = [t for t in params.stop_token_ids if t >= self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids contains {bad[0]}, outside the vocabulary [0, {self.vocab_size})")
         if params.logit_bias:  # vLLM SamplingParams._validate_logit_bias
             bad = [t for t in params.logit_bias if not 0 <= t < self.vocab_size]
             if bad:
-                raise ValueError(f"logit_bias: token_id(s) {bad} in logit_bias contain out-of-vocab token ids. "
-                                 f"Vocabulary size: {self.vocab_size}")
+                # vLLM lists every bad id; the first 10 name the fault without a message of megabytes.
+                more = f" (and {len(bad) - 10} more)" if len(bad) > 10 else ""
+                raise ValueError(f"logit_bias: token_id(s) {bad[:10]}{more} in logit_bias contain out-of-vocab token "
+                                 f"ids. Vocabulary size: {self.vocab_size}")
         for name in ("logprobs", "prompt_logprobs"):  # vLLM SamplingParams._validate_logprobs
             num = getattr(params, name)
             requested = self.vocab_size if num == -1 else num

@@ -18,7 +18,9 @@ shut down. Messages echo at most a bounded part of the bad input, as vLLM's do. 
 vLLM's 401 body is ``{"error": "Unauthorized"}``; minivllm uses the same OpenAI shape as its other errors. vLLM
 parses a body of any size; minivllm refuses one over ``max_body_bytes`` before parsing it, so that a 50 MB body
 costs the event loop nothing but its reading, and refuses a token-id prompt over ``max_model_len`` by its length
-before checking its ids (``protocol.prompt_token_limit``; vLLM checks the length after validating the request).
+before checking its ids (``protocol.prompt_token_limit``; vLLM checks the length after validating the request), as
+it refuses more ``stop_token_ids`` or ``logit_bias`` entries than the vocabulary has ids
+(``protocol.vocab_size_limit``; vLLM has no such bound).
 
 Shutdown (SIGINT or SIGTERM): the engine aborts every request in flight first, so that each open stream ends
 (``finish_reason: "abort"``, then ``data: [DONE]``) and uvicorn's graceful shutdown finds no connection left to wait
@@ -52,7 +54,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from minivllm.engine.async_llm import AsyncLLM
 from minivllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from minivllm.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard, ModelList,
-                                                  prompt_token_limit)
+                                                  prompt_token_limit, vocab_size_limit)
 from minivllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from minivllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from minivllm.entrypoints.openai.serving_engine import RequestError, engine_dead, truncate
@@ -129,15 +131,19 @@ class RequestBodyGuard:
     connection error (which ``openai`` retries) instead of the 413.
     """
 
-    def __init__(self, app: ASGIApp, max_bytes: int, max_prompt_tokens: Optional[int] = None) -> None:
-        self.app, self.max_bytes, self.max_prompt_tokens = app, max_bytes, max_prompt_tokens
+    def __init__(self, app: ASGIApp, max_bytes: int, max_prompt_tokens: Optional[int] = None,
+                 vocab_size: Optional[int] = None) -> None:
+        self.app, self.max_bytes = app, max_bytes
+        self.max_prompt_tokens, self.vocab_size = max_prompt_tokens, vocab_size
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope.get("method") != "POST":
             await self.app(scope, receive, send)
             return
-        # Read by the prompt's validator (protocol.prompt_token_limit), which runs in this task's context.
+        # Read by the request's validators (protocol.prompt_token_limit, vocab_size_limit), which run in this
+        # task's context.
         prompt_token_limit.set(self.max_prompt_tokens)
+        vocab_size_limit.set(self.vocab_size)
         names = [name for name, _ in scope["headers"]]
         for once in (b"content-type", b"content-length"):
             if names.count(once) > 1:  # this guard and FastAPI would read different ones (the last, the first)
@@ -269,7 +275,8 @@ def build_app(engine_client: AsyncLLM, served_model_name: str = DEFAULT_MODEL_NA
     app.state.engine_client, app.state.metrics = engine_client, metrics
     app.state.max_body_bytes = max_body_bytes(completion.max_model_len, completion.max_chars_per_token)
     # Starlette runs the last middleware added first: CORS (answers preflights), then the key, then the body.
-    app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes, max_prompt_tokens=completion.max_model_len)
+    app.add_middleware(RequestBodyGuard, max_bytes=app.state.max_body_bytes, max_prompt_tokens=completion.max_model_len,
+                       vocab_size=engine_client.engine.vocab_size)
     if api_key:
         app.add_middleware(AuthenticationMiddleware, api_key=api_key)
     if allowed_origins:

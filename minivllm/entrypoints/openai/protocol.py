@@ -6,9 +6,12 @@ when ``to_sampling_params`` builds it, so the server and the offline ``LLM`` sha
 
 The fields that can be long (``prompt``, ``messages``, ``stop``, ``stop_token_ids``) are checked first by a plain
 loop that stops at the first bad item: pydantic would report every bad item of a union of lists (1.9 million
-errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string). Inside the server a token-id
-prompt longer than ``max_model_len``, and a conversation of more messages than ``max_model_len``, are refused by
-their length before that loop (``prompt_token_limit``).
+errors and 17 s on the event loop for a 1.9 MB list of ids ending in a string). Before that loop the long fields
+are refused by their length alone, so that no request body (up to the server's ``max_body_bytes``, 5 MB for
+SmolLM2) holds the event loop in a check of millions of items: ``stop`` takes at most ``MAX_STOP_STRINGS`` (4)
+strings, as vLLM's server does; inside the server a token-id prompt and a conversation may not be longer than
+``max_model_len`` (``prompt_token_limit``), and ``stop_token_ids`` and ``logit_bias`` may not name more ids than
+the vocabulary has (``vocab_size_limit``), bounds vLLM does not have (see each).
 
 The penalties (``frequency_penalty``, ``presence_penalty``, ``repetition_penalty``), ``logit_bias``, ``n``,
 ``seed`` (any int64; ``-1`` = none), and logprobs are served as vLLM serves them: completions take ``logprobs``
@@ -86,6 +89,38 @@ class UsageInfo(OpenAIBaseModel):
 # held the event loop 0.45 s. vLLM checks the length after validating the request (``_token_len_check`` in
 # ``vllm/renderers/params.py``); minivllm checks it first, with the same outcome for every request: a 400.
 prompt_token_limit: ContextVar[Optional[int]] = ContextVar("prompt_token_limit", default=None)
+
+
+# The serving model's vocabulary size while a request body is validated (set per request by api_server's
+# RequestBodyGuard; None outside a server). ``stop_token_ids`` and ``logit_bias`` may not hold more entries than
+# the vocabulary has ids, checked by len() before anything looks at an item. vLLM 0.32 has no such bound: its
+# server validates every item (pydantic's list[int] / dict[str, float]), ``SamplingParams.from_optional`` converts
+# every ``logit_bias`` key, and ``_validate_stop_token_ids`` / ``_validate_logit_bias`` then refuse any id outside
+# the vocabulary (https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/sampling_params.py#L1047-L1090).
+# minivllm adds it because one 5 MB body holds 2.6 million stop token ids or 470,000 logit_bias keys, whose checks
+# held the event loop, and so every other stream: a neighbour's longest gap of 0.5-0.7 s and 1.8-2.3 s (live,
+# SmolLM2's 5 MB body limit, a 2-core AMD EPYC at load 5; 0.25-0.29 s and 0.54-0.60 s at load 3), against
+# 0.22-0.29 s and 0.72-1.09 s (0.14-0.15 s and 0.21-0.26 s) with the bound; what is left is mostly json.loads
+# itself (0.65-0.79 s for the 470,000 keys at load 5), which no bound on a field avoids. A request past the bound names an id outside the vocabulary, which vLLM refuses
+# too, or names one id more than once (copies of a valid stop token id, which vLLM keeps once; a logit_bias id
+# spelt both "1" and "01"), which vLLM serves and minivllm refuses.
+vocab_size_limit: ContextVar[Optional[int]] = ContextVar("vocab_size_limit", default=None)
+
+# vLLM 0.32's ``VLLM_MAX_STOP_STRINGS`` (default 4): the most stop strings a request to the server may have, a
+# bound its protocol puts on ``stop`` (``StopParam``, ``Field(max_length=...)``:
+# https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/entrypoints/generate/base/protocol.py#L26-L28). The
+# detokenizer looks for every stop string after each step, and 1.3 million of them in a 5 MB body (a two-token
+# request) gave a neighbour stream gaps of 0.9-1.1 s at load 5 (0.28-0.31 s at load 3); refused, 0.16-0.25 s
+# (0.07-0.08 s, its baseline). minivllm has no setting for it (vLLM reads the environment
+# variable); the offline ``SamplingParams`` takes any number, as vLLM's does.
+MAX_STOP_STRINGS = 4
+
+
+def _check_count(value: Any, name: str, limit: Optional[int], what: str) -> None:
+    """Raises ``ValueError`` naming ``name`` and ``limit`` when the list or dict ``value`` has more than ``limit``
+    entries (``None``: no limit); by ``len()`` alone, before any entry is looked at."""
+    if limit is not None and isinstance(value, (list, dict)) and len(value) > limit:
+        raise ValueError(f"{name} has {len(value)} entries, more than the {limit} allowed ({what})")
 
 
 def _check_prompt_length(ids: Any) -> None:
@@ -210,12 +245,21 @@ class _SamplingRequest(OpenAIBaseModel):
     @field_validator("stop_token_ids", mode="before")
     @classmethod
     def _stop_token_ids(cls, value: Any) -> Any:
+        _check_count(value, "stop_token_ids", vocab_size_limit.get(), "the vocabulary's size; see vocab_size_limit")
         return _check_token_ids(value, "stop_token_ids")
 
     @field_validator("stop", mode="before")
     @classmethod
     def _stop(cls, value: Any) -> Any:
+        _check_count(value, "stop", MAX_STOP_STRINGS, "stop strings a request may have, vLLM's "
+                     "VLLM_MAX_STOP_STRINGS default")
         return _check_strings(value, "stop")
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, value: Any) -> Any:
+        _check_count(value, "logit_bias", vocab_size_limit.get(), "the vocabulary's size; see vocab_size_limit")
+        return value
 
     def unsupported_field(self) -> Optional[Tuple[str, Any]]:
         """``(name as the client sent it, value)`` of the first field set to a value minivllm cannot honour."""
