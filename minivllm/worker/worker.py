@@ -9,7 +9,7 @@ Every executor drives its workers through the same calls, in vLLM's order (``Eng
     determine_available_memory()   bytes this device may give the KV cache
     get_kv_cache_spec()            what one block of this rank's cache holds (its page size)
     initialize_from_config(n)      allocate n blocks per layer (the engine took the minimum over the ranks)
-    compile_or_warm_up_model()     capture the CUDA graphs, at start-up
+    compile_or_warm_up_model()     set up CUDA-graph replay of decode steps, at start-up
     execute_model(scheduler_output)  once a step: the forward pass (returns None, or an empty step's output)
     sample_tokens(None)              then: sample the step (vLLM 0.32 passes the structured-output bitmask here)
 
@@ -143,8 +143,10 @@ class Worker:
         self.model_runner.initialize_kv_cache(num_gpu_blocks)
 
     def compile_or_warm_up_model(self) -> None:
-        """Capture the decode CUDA graphs now, at start-up, when the runner will replay them (vLLM
-        ``Worker.compile_or_warm_up_model`` -> ``capture_model``); nothing to do on the CPU."""
+        """Set up CUDA-graph replay of decode steps of up to ``max_num_seqs`` requests, at start-up, when the
+        runner will replay graphs (vLLM ``Worker.compile_or_warm_up_model`` -> ``capture_model``); nothing to do
+        on the CPU. Unlike vLLM, which captures every batch size here, each graph is captured the first time its
+        (batch, block-table width) bucket runs: ``ModelRunnerBase.capture_model`` says why."""
         assert self.model_runner is not None, "load_model() first"
         self.model_runner.capture_model(self.vllm_config.scheduler_config.max_num_seqs)
 
