@@ -11,62 +11,32 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 
 # ---- test lanes -----------------------------------------------------------------------------------------------
-# Each test file carries the marker of the package layer it exercises (registered in pyproject.toml), so that a
-# change to one layer runs its lane first: `pytest -m engine`, `pytest -m "core or engine"` (tests/README.md). The
-# full suite stays the README's command. Keys are paths relative to tests/; tests/test_packaging.py fails when a
-# test file is missing here or a name here is no test file.
-LANES = {
-    # minivllm/core: scheduler, KV cache manager, block pool (and the scheduler's side of the KV connector)
-    "core": (
-        "core/test_scheduler.py", "core/test_async_scheduler.py", "core/test_scheduler_seams.py",
-        "test_prefix_caching.py", "test_chunked_prefill.py", "test_preemption.py", "test_reset_prefix_cache.py",
-        "test_kv_connector_reports.py", "test_randomized.py", "test_soak.py",
-    ),
-    # minivllm/engine (and the executor it drives in one process): LLM, LLMEngine, EngineCore end to end, the KV
-    # connector through the engine
-    "engine": (
-        "test_engine_core.py", "test_api.py", "test_streaming.py", "test_stop_conditions.py",
-        "test_input_edge_cases.py", "test_reliability.py", "test_kv_connector.py", "test_executor.py",
-    ),
-    # tensor parallelism: minivllm/distributed/parallel_state.py, the multiprocess executor, worker processes
-    # (spawned ranks: about 2.5 minutes on two cores, so not in the engine lane)
-    "parallel": ("test_tensor_parallel.py",),
-    # minivllm/worker, attention, custom_ops + csrc: model runners, block table, sampler, attention, kernels
-    "worker": (
-        "test_model_runners.py", "test_block_table.py", "test_sampler_edges.py", "test_v2_gumbel.py",
-        "test_paged_attention.py", "test_triton_kernels.py", "test_triton_attn_backend.py", "test_custom_ops.py",
-        "test_fp32_kernels.py", "test_sampling_features.py", "test_attention_backend_seam.py",
-    ),
-    # minivllm/model: the Llama model, its loaders, CustomOp dispatch; greedy tokens equal transformers'
-    "model": ("test_real_model.py", "test_model_loader.py", "test_custom_op_dispatch.py"),
-    # minivllm/entrypoints: the OpenAI-compatible server (and AsyncLLM behind it)
-    "entrypoints": ("test_serving.py", "test_server_robustness.py", "test_server_adversarial.py",
-                    "test_serving_sampling.py"),
-    # minivllm/course and the course's files: exercises, viz, figures, diagrams, slides, notebooks, READMEs
-    "course": (
-        "test_exercises.py", "test_viz.py", "test_figures.py", "test_diagrams.py", "test_slides.py",
-        "test_slides_browser.py", "test_study_time.py", "test_vllm_recordings_course.py", "test_browser.py",
-        "test_chinese.py", "test_notebook_files.py", "test_faq_claims.py", "test_readme_commands.py",
-        "test_lectures.py",
-    ),
-    # minivllm/bench: the benchmarks, the GPU check, the live vLLM check
-    "bench": ("test_bench.py", "test_bench_serve.py", "test_gpu_check.py", "test_vllm_check.py"),
-    # the package as a whole: the import graph between layers, the installed wheel, these lanes
-    "package": ("test_import_graph.py", "test_packaging.py"),
-}
-LANE_OF = {f: lane for lane, files in LANES.items() for f in files}
+# Test files sit in folders that mirror the package (tests/core, tests/engine, tests/worker, ...: tests/README.md),
+# and a file's folder is its lane: the marker, registered in pyproject.toml, that this hook adds to each of its tests,
+# so that a change to one layer runs its lane first: `pytest -m engine`, `pytest -m "core or engine"`. The full suite
+# stays the README's command. The lane is read from the path, so a file is in exactly one lane and cannot drift from
+# it; tests/package/test_packaging.py fails on a test file outside a lane folder or a folder that is no marker.
+# Each lane folder is a package (__init__.py): pytest imports its files as `engine.test_api` and so on, with tests/
+# itself on sys.path, which keeps the shared helpers here (kv_invariants.py, triton_child.py) importable by name.
 TESTS_DIR = Path(__file__).resolve().parent
+
+
+def lane_of(path) -> str | None:
+    """The lane of the test file at ``path``: the folder right under tests/ that holds it; None for a file outside
+    tests/ (the notebooks under nbval) or at its top level."""
+    try:
+        parts = Path(path).resolve().relative_to(TESTS_DIR).parts
+    except ValueError:
+        return None
+    return parts[0] if len(parts) > 1 else None
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects by marker
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        try:
-            rel = item.path.resolve().relative_to(TESTS_DIR).as_posix()
-        except ValueError:
-            continue
-        if rel in LANE_OF:
-            item.add_marker(getattr(pytest.mark, LANE_OF[rel]))
+        lane = lane_of(item.path)
+        if lane is not None:
+            item.add_marker(getattr(pytest.mark, lane))
 
 
 @pytest.fixture(scope="session")

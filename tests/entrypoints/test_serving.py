@@ -31,7 +31,7 @@ from minivllm import LLM, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
 PROMPTS = [[1, 2, 3], [7, 8, 9, 10, 11], [100, 200, 300, 400, 42, 17, 5, 99, 3, 1, 250, 251, 252, 253, 254, 255, 256]]
 

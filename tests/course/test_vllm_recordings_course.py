@@ -90,7 +90,7 @@ def test_readme_links_the_recorded_lines():
     # The README's permalinks for the code the recordings quote point at the quoted lines of v0.32.0.
     from pathlib import Path
 
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     quotes = vr.recordings()["source"]
     for key in ("admission_gate", "v2_resumed_as_new", "async_placeholder_check"):
         assert vr.permalink(quotes[key]["file"], quotes[key]["line"]) in readme, key
@@ -110,7 +110,7 @@ def test_readme_links_the_recorded_lines():
 # checked: no source of theirs is installed; test_course_permalinks_at_other_tags_are_unchecked lists them in its
 # skip reason, so they are never counted as checked.
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PERMALINK_AT = r"https://github\.com/vllm-project/vllm/(blob|tree)/{tag}/([\w/.\-]+?)(?:#L(\d+))?(?=[)\"\s'>\\]|$)"
 PERMALINK = re.compile(PERMALINK_AT.format(tag=r"v0\.32\.0"))
 PERMALINK_033 = re.compile(PERMALINK_AT.format(tag=r"v0\.33\.0"))

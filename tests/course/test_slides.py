@@ -40,11 +40,7 @@ def test_slide_metadata_is_the_rules(path):
 
 
 def test_lectures_are_the_guides_and_every_notebook_is_a_deck():
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_lectures import GUIDE, guide_lectures
+    from tests.course.test_lectures import GUIDE, guide_lectures
 
     plan = [notebooks for notebooks, _ in guide_lectures(GUIDE.read_text(encoding="utf-8"))]
     assert [tuple(n[:2] for n in lecture) for lecture in slides.LECTURES] == plan

@@ -482,7 +482,7 @@ def test_course_links_between_notebooks_resolve():
     import re
     from pathlib import Path
 
-    nbdir = Path(__file__).resolve().parents[1] / "notebooks"
+    nbdir = Path(__file__).resolve().parents[2] / "notebooks"
     heads, links = {}, []
     for f in sorted(nbdir.glob("*.ipynb")):
         cells = [c for c in json.loads(f.read_text())["cells"] if c["cell_type"] == "markdown"]
@@ -502,7 +502,7 @@ def test_notebooks_name_the_pinned_vllm_release():
     import json
 
     release = r"(?i)(vllm[ -]?|\bv)0\.{minor}\b|\b0\.{minor}\.\d|\b0\.{minor}:"
-    for f in sorted((Path(__file__).resolve().parents[1] / "notebooks").glob("*.ipynb")):
+    for f in sorted((Path(__file__).resolve().parents[2] / "notebooks").glob("*.ipynb")):
         # sources and outputs only: the execution timestamps in cell metadata ("14:57:10.339408Z") may contain it
         cells = json.loads(f.read_text())["cells"]
         text = json.dumps([(c["source"], c.get("outputs")) for c in cells])

@@ -19,7 +19,7 @@ from minivllm.bench.serve.metrics import calculate_metrics, parse_goodput, reque
 from minivllm.bench.serve.request_func import RequestFuncOutput
 from minivllm.bench.workload import random_workload
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- arrivals --------------------------------------------------------------------------------------------------

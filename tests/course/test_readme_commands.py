@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 TIMEOUT_S = 300  # the real model loads in a few seconds; a generous bound for a busy 2-core machine
 

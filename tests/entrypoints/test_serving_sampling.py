@@ -15,7 +15,7 @@ import httpx  # noqa: E402
 from minivllm import LLM, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app  # noqa: E402
-from tests.test_serving import ServerThread  # noqa: E402
+from tests.entrypoints.test_serving import ServerThread  # noqa: E402
 
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
 PROMPT = [100, 200, 300, 400, 42, 17, 5, 99, 3, 1]

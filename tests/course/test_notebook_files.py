@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 # notebooks/ and its subfolders (solutions/), as nbval collects them; never Jupyter's checkpoint copies
-NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parent.parent / "notebooks").rglob("*.ipynb")
+NOTEBOOKS = sorted(p for p in (Path(__file__).resolve().parents[2] / "notebooks").rglob("*.ipynb")
                    if ".ipynb_checkpoints" not in p.parts)
 
 

@@ -16,7 +16,7 @@ import pytest
 
 from minivllm.course import diagrams, figures
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCHEDULER = (ROOT / "minivllm/core/sched/scheduler.py").read_text().splitlines()
 DIAGRAMS = ["schedule_flowchart.png", "request_state_machine.png", "connector_calls.png"]
 needs_dot = pytest.mark.skipif(not diagrams.dot_available(),

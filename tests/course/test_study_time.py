@@ -11,7 +11,7 @@ import pytest
 
 from minivllm.course import study_time as st
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GUIDE = (ROOT / "notebooks" / "LECTURERS_GUIDE.md").read_text(encoding="utf-8")
 
 

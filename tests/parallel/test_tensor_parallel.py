@@ -251,7 +251,7 @@ def test_workers_exit_when_the_engine_process_is_killed():
             "e = LLMEngine('tiny', tensor_parallel_size=2, num_gpu_blocks=16)\n"
             "print(*e.engine_core.model_executor.pids, flush=True)\n"
             "os.kill(os.getpid(), 9)\n")  # no shutdown, no atexit: only the closed pipes tell the workers
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     pids = [int(p) for p in out.stdout.split()]
@@ -272,7 +272,7 @@ def test_an_unguarded_script_fails_with_the_reason_and_what_to_write(tmp_path):
     script = tmp_path / "unguarded.py"
     script.write_text("from minivllm import LLM\nllm = LLM('tiny-tp', tensor_parallel_size=2, num_gpu_blocks=16)\n"
                       "print('built')\n")
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300, env=env,
                          cwd=tmp_path)
@@ -332,7 +332,7 @@ def test_torchrun_ranks_give_the_tokens_of_one_device(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable)) or shutil.which("torchrun")
     if torchrun is None:
         pytest.skip("torchrun is not installed")
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
     out = subprocess.run([torchrun, "--nproc-per-node=2", f"--master-port={get_open_port()}", "-m",
                           "minivllm.entrypoints.torchrun_generate", "--model", "tiny-tp", "--tensor-parallel-size",

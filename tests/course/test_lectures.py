@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NB_DIR = ROOT / "notebooks"
 LECT_DIR = NB_DIR / "lectures"
 GUIDE = NB_DIR / "LECTURERS_GUIDE.md"

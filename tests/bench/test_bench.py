@@ -167,7 +167,8 @@ def test_vllm_python_has_vllm_asks_the_named_interpreter(tmp_path):
     if os.path.exists(other) and other != sys.executable:
         assert vllm_python_has_vllm(other) == here  # answered by a child process
     assert vllm_python_has_vllm(str(tmp_path / "no-such-python")) is False
-    vllm_venv = os.path.join(os.path.dirname(os.path.dirname(__file__)), ".venv-vllm", "bin", "python")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/bench/ -> the checkout
+    vllm_venv = os.path.join(root, ".venv-vllm", "bin", "python")
     if os.path.exists(vllm_venv) and not here:  # the course's second venv holds vLLM; this one does not
         assert vllm_python_has_vllm(vllm_venv) is True
 

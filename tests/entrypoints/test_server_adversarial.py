@@ -30,7 +30,7 @@ import httpx  # noqa: E402
 from minivllm import LLM, LLMEngine  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app  # noqa: E402
-from tests.test_server_robustness import ServerThread  # noqa: E402
+from tests.entrypoints.test_server_robustness import ServerThread  # noqa: E402
 
 NUM_BLOCKS, MAX_MODEL_LEN, NEIGHBOUR_TOKENS = 64, 256, 240
 JSON = {"content-type": "application/json"}

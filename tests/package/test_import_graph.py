@@ -22,7 +22,7 @@ from typing import Dict, List, Optional, Set, Tuple
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PKG = ROOT / "minivllm"
 
 # The layers, lowest first. A module belongs to the layer of the longest entry that equals its name or is a

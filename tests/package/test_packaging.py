@@ -11,8 +11,8 @@ file under ``minivllm/`` must be in the wheel (``[tool.setuptools.package-data]`
 
 About 15 s on two busy cores, most of it importing torch, transformers and matplotlib.
 
-``test_every_test_file_has_one_lane`` checks the test lanes (``LANES`` in ``tests/conftest.py``, tests/README.md):
-the suite's markers by package layer, which ``pytest -m "core or engine"`` and the like select.
+``test_every_test_file_has_one_lane`` checks the test lanes (``tests/conftest.py``, tests/README.md): the suite's
+markers by package layer, one per folder of tests/, which ``pytest -m "core or engine"`` and the like select.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").rglob("*.ipynb"))
 
 
@@ -162,17 +162,24 @@ def test_the_installed_package_runs_what_the_notebooks_import(venv_python, tmp_p
             f"{what}() in an installed package should fail saying it needs a source checkout, gave: {message!r}"
 
 
-def test_every_test_file_has_one_lane(pytestconfig):
-    """Each ``test_*.py`` under tests/ is in exactly one lane of ``conftest.LANES``, every name there is a test file,
-    and every lane is a marker registered in pyproject.toml (``pytest -m engine`` would otherwise skip a file
-    silently, or select nothing)."""
+def test_every_test_file_has_one_lane(pytestconfig, request):
+    """Each ``test_*.py`` under tests/ sits in a lane folder, ``tests/<lane>/``: conftest.py marks its tests with the
+    folder's name, so a file is in exactly one lane (one at the top of tests/ would be in none, and ``pytest -m ...``
+    would skip it silently). Every lane folder is a package and a marker registered in pyproject.toml (``pytest
+    --markers`` lists the lanes), and the marker reaches the tests: this one carries ``package`` and no other."""
     from tests import conftest
 
-    files = sorted(p.relative_to(ROOT / "tests").as_posix() for pattern in ("test_*.py", "*_test.py")
+    files = sorted(p.relative_to(ROOT / "tests") for pattern in ("test_*.py", "*_test.py")
                    for p in (ROOT / "tests").rglob(pattern) if "__pycache__" not in p.parts)
-    mapped = [f for names in conftest.LANES.values() for f in names]
-    assert sorted(set(files) - set(mapped)) == [], "test files in no lane: add them to LANES in tests/conftest.py"
-    assert sorted(set(mapped) - set(files)) == [], "names in tests/conftest.py LANES that are no test file"
-    assert sorted(f for f in set(mapped) if mapped.count(f) > 1) == [], "test files in more than one lane"
+    assert [f.as_posix() for f in files if len(f.parts) == 1] == [], \
+        "test files in no lane: move them into the tests/ folder of the layer they exercise (tests/README.md)"
+    lanes = {f.parts[0] for f in files}
+    assert {conftest.lane_of(ROOT / "tests" / f) for f in files} == lanes
+    # A package, as pytest's default import mode needs to tell two files of one name in two folders apart; it also
+    # keeps tests/ on sys.path (the shared helpers there import by name).
+    assert sorted(lane for lane in lanes if not (ROOT / "tests" / lane / "__init__.py").is_file()) == [], \
+        "lane folders without __init__.py"
     registered = {m.split(":")[0].strip() for m in pytestconfig.getini("markers")}
-    assert set(conftest.LANES) <= registered, set(conftest.LANES) - registered
+    assert lanes <= registered, f"lane folders that are no marker in pyproject.toml: {sorted(lanes - registered)}"
+    assert request.node.get_closest_marker("package") is not None
+    assert [lane for lane in lanes if lane != "package" and request.node.get_closest_marker(lane)] == []

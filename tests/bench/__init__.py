@@ -1,0 +1,1 @@
+"""Tests of ``minivllm/bench``: the benchmarks, the GPU check, the live vLLM check."""

@@ -1,0 +1,2 @@
+"""Tests of ``minivllm/entrypoints``: the OpenAI-compatible server and ``AsyncLLM`` behind it (vLLM:
+``tests/entrypoints/``)."""

@@ -1,0 +1,1 @@
+"""Tests of ``minivllm/model``: the Llama model, its loaders, CustomOp dispatch; greedy tokens equal transformers'."""

@@ -1,0 +1,1 @@
+"""Tests of the package as a whole: the import graph between layers, the installed wheel, the test lanes themselves."""
