@@ -8,7 +8,7 @@ instance). Setting it at the top of a test file would work only if nothing impor
 process, and would then stay on for every later test and every process they start (notebook kernels under nbval
 included). So each Triton test file runs itself in a child process that starts with ``TRITON_INTERPRET=1``; its
 kernel tests run there and skip in the parent, saying so. To run them directly:
-``TRITON_INTERPRET=1 python -m pytest tests/test_triton_kernels.py``.
+``TRITON_INTERPRET=1 python -m pytest tests/worker/test_triton_kernels.py``.
 """
 
 import os

@@ -62,7 +62,7 @@ def _save(fig, path: Path) -> None:
 def preemption_run():
     """Six requests, 12 KV blocks of 16 tokens, a 64-token budget, ``max_num_seqs=4``: chunked prefills, decodes
     and one preemption (request 3 at step 4). Returns the finished ``LLMEngine``; the same run as
-    ``tests/test_viz.py``."""
+    ``tests/course/test_viz.py``."""
     import numpy as np
 
     from minivllm import SamplingParams

@@ -4,7 +4,7 @@ Every course notebook (``SLIDE_NOTEBOOKS``, 00-12, grouped as the guide's lectur
 ``metadata.slideshow.slide_type`` on every cell, as
 JupyterLab's property inspector, RISE (``jupyterlab-rise``) and nbconvert's ``SlidesExporter`` read it. The
 metadata is not written by hand: ``slide_types`` derives it from the cells, so it can be re-applied after anyone
-edits a notebook (``python -m minivllm.course.slides apply``), and ``tests/test_slides.py`` checks that the
+edits a notebook (``python -m minivllm.course.slides apply``), and ``tests/course/test_slides.py`` checks that the
 stored metadata is what the rule gives. The rule, in order, for each cell:
 
 0. The Chinese sections (a heading that opens with ``中文``: 中文导读, 中文小结) go to the speaker notes, not on the
@@ -55,7 +55,7 @@ TEMPLATE_NAME = "minivllm_reveal"
 DEFAULT_OUT = ROOT / "build" / "slides"
 
 #: The guide's seven 90-minute lectures (notebooks/LECTURERS_GUIDE.md, "A course of seven 90-minute lectures"),
-#: each the notebooks it shows; ``tests/test_slides.py`` checks this against the guide.
+#: each the notebooks it shows; ``tests/course/test_slides.py`` checks this against the guide.
 LECTURES = (
     ("00_tour", "01_llama_forward_and_generation"),
     ("02_kv_cache", "03_paged_kv_blocks"),

@@ -20,7 +20,7 @@ to ``ROUND_TO`` minutes. Each notebook states it in its one time line, ``**Time:
 (...)``, in its first cell (``header_line``), followed by how long its cells take to run where the notebook says
 so; ``python -m minivllm.course.study_time update`` rewrites the study part of those lines,
 ``python -m minivllm.course.study_time table`` prints the lecturer's guide's syllabus column, and
-``tests/test_study_time.py`` accepts a stated value within ``TOLERANCE_MIN`` of the estimate, so small edits
+``tests/course/test_study_time.py`` accepts a stated value within ``TOLERANCE_MIN`` of the estimate, so small edits
 do not break it.
 """
 
@@ -40,7 +40,7 @@ CODE_LINES_PER_MIN = 10
 SECONDS_PER_CELL = 20
 MINUTES_PER_STARS = {1: 10, 2: 20, 3: 40}
 #: The difficulty of every exercise, ``(notebook number, name) -> stars``, as the lecturer's guide's exercise
-#: table states it (``tests/test_study_time.py`` checks the two agree and that every exercise has one).
+#: table states it (``tests/course/test_study_time.py`` checks the two agree and that every exercise has one).
 EXERCISE_STARS = {
     ("01", "rms_norm"): 1, ("01", "rope"): 2, ("01", "gqa_attention"): 2, ("01", "swiglu"): 1,
     ("01", "decoder_layer"): 3, ("01", "greedy_generate"): 2,

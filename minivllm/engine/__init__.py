@@ -3,8 +3,8 @@
 As in vLLM, the scheduler returns ``EngineCoreOutput`` objects defined here (vLLM's scheduler imports
 ``vllm.v1.engine``). To keep that import from running up the layers, this ``__init__`` is a leaf: it holds data
 types only and imports nothing of minivllm (no engine module is loaded by ``import minivllm.engine``).
-``tests/test_import_graph.py`` places this module in the data layer, beside ``request.py`` and ``outputs.py``; the
-engine's modules (``llm_engine``, ``llm``, ...) sit above core and worker.
+``tests/package/test_import_graph.py`` places this module in the data layer, beside ``request.py`` and
+``outputs.py``; the engine's modules (``llm_engine``, ``llm``, ...) sit above core and worker.
 """
 
 from __future__ import annotations

@@ -157,7 +157,7 @@ def test_chinese_readme_gives_the_readme_set_up_commands_exactly():
 
 
 def test_chinese_readme_python_snippet_is_the_readme_one():
-    # The English README's snippet is run by tests/test_readme_commands.py; the Chinese one is an excerpt of it.
+    # The English README's snippet is run by tests/course/test_readme_commands.py; the Chinese one is an excerpt of it.
     def code_lines(block):
         return [line.split("#")[0].rstrip() for line in block.splitlines() if line.split("#")[0].strip()]
 

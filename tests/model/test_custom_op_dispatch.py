@@ -51,7 +51,7 @@ def test_the_runner_chooses_once_and_two_engines_share_a_model(monkeypatch, coun
 
 def test_float32_never_dispatches_to_the_kernels(monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
-    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "0")  # the default (tests/test_fp32_kernels.py: set to 1)
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "0")  # the default (tests/worker/test_fp32_kernels.py: set to 1)
     model = build_tiny_model(dtype=torch.float32)
     LLMEngine(model, enable_prefix_caching=False)
     assert set(_methods(model).values()) == {"forward_native"}

@@ -115,7 +115,8 @@ def _where(module: str, line: int) -> str:
 
 def test_every_module_has_a_layer():
     missing = [str(p.relative_to(ROOT)) for m, p in MODULES.items() if _layer(m) is None]
-    assert not missing, f"modules without a layer (add them to LAYERS in tests/test_import_graph.py): {missing}"
+    assert not missing, f"modules without a layer (add them to LAYERS in tests/package/test_import_graph.py): " \
+        f"{missing}"
 
 
 def test_the_engine_imports_nothing_of_the_course():

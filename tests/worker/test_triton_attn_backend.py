@@ -3,8 +3,9 @@ implementation against the reference backend, the engine's greedy tokens against
 prefill, preemption, the CUDA-graph padding path emulated), and the selector's choices and refusals.
 
 The kernels run on the CPU through Triton's interpreter, which must be switched on before the process first imports
-triton; as in ``tests/test_triton_kernels.py`` (read why there), this file runs itself in a child process started
-with ``TRITON_INTERPRET=1`` (``test_in_fresh_process``). The tests of the selector outside the interpreter run here.
+triton; as in ``tests/worker/test_triton_kernels.py`` (read why there), this file runs itself in a child process
+started with ``TRITON_INTERPRET=1`` (``test_in_fresh_process``). The tests of the selector outside the interpreter
+run here.
 """
 
 import random

@@ -1,8 +1,8 @@
 """The reference attention backend: one request at a time, written for reading (no vLLM counterpart; it computes
 what ``vllm/v1/attention/backends/flash_attn.py`` computes, the slow and obvious way).
 
-Every other backend is tested against ``reference_paged_attention`` (``tests/test_paged_attention.py``,
-``tests/test_custom_ops.py``), and notebook 03 compares the learner's paged attention with it.
+Every other backend is tested against ``reference_paged_attention`` (``tests/worker/test_paged_attention.py``,
+``tests/worker/test_custom_ops.py``), and notebook 03 compares the learner's paged attention with it.
 """
 
 from __future__ import annotations

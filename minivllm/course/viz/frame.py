@@ -73,7 +73,7 @@ FRAME_CSS_SLIDES = """
 (``minivllm.course.slides.export``), scoped to reveal.js's ``.reveal`` so that it only applies there. A frame at
 ``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-24 px,
 a KV block 40x30 px, the budget bar 24 px high and the step slider 900 px wide (checked at 1280x800 by
-``tests/test_slides_browser.py``)."""
+``tests/course/test_slides_browser.py``)."""
 
 
 def _stripes(color: str) -> str:

@@ -24,7 +24,7 @@ class RotaryEmbedding(CustomOp):
     instance is shared by every attention layer (``get_rope``), possibly of several models on several devices,
     so a copy per device is made on first use instead of moving the tables. Being shared, its dispatch
     (``CustomOp``) is the last model runner's choice; that never changes a number, since the kernel is
-    bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/test_custom_ops.py``). For the same
+    bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/worker/test_custom_ops.py``). For the same
     reason ``forward_cpu`` gives the kernel either dtype whatever ``kernel_dtype`` the last runner set: a float32
     model under ``MINIVLLM_CPU_KERNELS_FP32=1`` must not take the kernel away from a bfloat16 model that shares
     this instance, and a float32 model without the switch gets the reference's exact bits from it.
