@@ -24,11 +24,11 @@ import pytest
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
 import httpx  # noqa: E402
-import uvicorn  # noqa: E402
 
 from minivllm import LLM, LLMEngine, SamplingParams  # noqa: E402
 from minivllm.engine.async_llm import AsyncLLM  # noqa: E402
 from minivllm.entrypoints.openai.api_server import build_app, create_server_socket  # noqa: E402
+from tests.entrypoints.test_serving import ServerThread  # noqa: E402
 
 NUM_BLOCKS, MAX_MODEL_LEN = 64, 256
 
@@ -44,27 +44,6 @@ def measured_twice(measure, missed, what):
         print(f"{what}: first measurement missed its bound ({result!r:.300}); measuring again")
         result = measure()
     return result
-
-
-class ServerThread:
-    """uvicorn serving ``app`` on 127.0.0.1 in a background thread, on the server's own listening socket."""
-
-    def __init__(self, app) -> None:
-        sock = create_server_socket("127.0.0.1", 0)
-        self.port = sock.getsockname()[1]
-        self.base = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=3))
-        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 20
-        while not self.server.started:
-            assert time.monotonic() < deadline, "server did not start within 20 s"
-            time.sleep(0.02)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(10)
-        assert not self.thread.is_alive()
 
 
 @pytest.fixture(scope="module")
