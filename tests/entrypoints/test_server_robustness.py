@@ -131,10 +131,11 @@ def test_error_messages_echo_a_bounded_part_of_the_bad_input(tiny):
 def test_bodies_json_cannot_hold_get_openai_errors(tiny):
     # FastAPI answers these with {"detail": ...}; vLLM's handlers give its own error body.
     _async_llm, server = tiny
-    for body in (b'{"prompt": [1, 2], "model": "\xff\xfe"}', b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}",
-                 b"[" * 100_000 + b"]" * 100_000):
+    for body in (b'{"prompt": [1, 2], "model": "\xff\xfe"}', b'{"prompt": [1], "max_tokens": ' + b"9" * 5000 + b"}"):
         err = _assert_error(_post(server, body), 400)
         assert "not valid JSON" in err["message"] and len(err["message"]) < 1000, err
+    # Nested 100,000 deep: refused by the body guard's container count before any parser sees it.
+    _assert_error(_post(server, b"[" * 100_000 + b"]" * 100_000), 400, None, "opens 100000 JSON arrays and objects")
     _assert_error(httpx.get(server.base + "/v1/nothing", timeout=10), 404)
 
 
@@ -611,13 +612,35 @@ def test_more_messages_than_max_model_len_are_refused_before_each_is_validated(t
     scanned = []
     first_bad = protocol._first_bad
     monkeypatch.setattr(protocol, "_first_bad", lambda items, ok: scanned.append(len(items)) or first_bad(items, ok))
-    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 30_000}, separators=(",", ":"))
+    # 300 messages: within the body guard's container bound (4 x 256 + 1024), past max_model_len's message bound
+    # (30,000 are now refused earlier still, by the guard: test_bodies_of_many_tiny_containers_...).
+    body = json.dumps({"model": "tiny", "messages": [{"role": "user"}] * 300}, separators=(",", ":"))
     _assert_error(_post(server, body.encode(), "/v1/chat/completions"), 400, "messages",
-                  f"30000 messages cannot fit in max_model_len ({MAX_MODEL_LEN})")
-    assert all(n < 30_000 for n in scanned), scanned
+                  f"300 messages cannot fit in max_model_len ({MAX_MODEL_LEN})")
+    assert all(n < 300 for n in scanned), scanned
     # Within the bound: on to the next check (the tiny model has no chat template).
     _assert_error(_post(server, {"model": "tiny", "messages": [{"role": "user", "content": "hi"}] * MAX_MODEL_LEN},
                         "/v1/chat/completions"), 400, "messages", "no tokenizer")
+
+
+def test_bodies_of_many_tiny_containers_are_refused_before_they_are_parsed(tiny):
+    # A 2 MB body of 700,000 empty lists (as the prompt, in stop, or in a field nobody reads) held the event loop,
+    # and every other stream, for 0.8-3.2 s while json.loads and pydantic built an object for each. The guard counts
+    # the containers on the raw bytes first; brackets inside strings do not count.
+    from minivllm.entrypoints.openai import api_server
+
+    _, server = tiny
+    limit = 4 * MAX_MODEL_LEN + 1024
+    for body in ({"model": "tiny", "prompt": [[]] * (limit + 1)}, {"model": "tiny", "prompt": [1], "stop": [[]] * limit},
+                 {"model": "tiny", "prompt": [1], "foo": [[[]]] * 1100}):
+        # The guard's message (param None), not the validators' (param "prompt" / "stop"): refused before parsing.
+        _assert_error(_post(server, json.dumps(body).encode()), 400, None, "JSON arrays and objects, more than the "
+                      f"{limit} that a request within max_model_len ({MAX_MODEL_LEN}) can need")
+    assert api_server.count_json_containers(json.dumps({"prompt": "[{" * 5000, "s": ["]"]}).encode()) == 2
+    # Within the bound: on to the ordinary checks.
+    _assert_error(_post(server, {"model": "tiny", "prompt": [[]] * 100}), 400, "prompt")
+    r = _post(server, {"model": "tiny", "prompt": [1, 2, 3], "max_tokens": 2, "logit_bias": {"5": 1.0}})
+    assert r.status_code == 200, r.text[:300]
 
 
 @pytest.mark.parametrize("seed, status", [(-1, 200), (-2**63, 200), (2**63 - 1, 200), (-5, 200), (2**63, 400),
