@@ -210,13 +210,16 @@ def _live_model(model_dir: Optional[str]):
     return _MODEL_CACHE[model_dir]
 
 
-def replay_live(scenario: Dict[str, Any], model_dir: Optional[str] = None) -> Dict[str, Any]:
-    """``v1-sync``: minivllm's engine runs the scenario in float32, greedy (``model_dir``: see ``_live_model``)."""
+def replay_live(scenario: Dict[str, Any], model_dir: Optional[str] = None,
+                engine_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """``v1-sync``: minivllm's engine runs the scenario in float32, greedy (``model_dir``: see ``_live_model``;
+    ``engine_overrides``: engine arguments added to the scenario's, e.g. a course learner's ``scheduler_cls``)."""
     from minivllm import LLMEngine
 
     events: List[Dict[str, Any]] = []
-    engine = LLMEngine(_live_model(model_dir), kv_connector=EventRecordingConnector(events),
-                       **_engine_kwargs(scenario["engine"], "v1-sync"))
+    kw = {**_engine_kwargs(scenario["engine"], "v1-sync"), **(engine_overrides or {})}
+    kw.setdefault("kv_connector", EventRecordingConnector(events))  # an override may run without one (None)
+    engine = LLMEngine(_live_model(model_dir), **kw)
     log = driver.StepLog(events)
     _instrument(engine.scheduler, log)
     final: Dict[str, Any] = {}
@@ -246,15 +249,19 @@ class _ScriptedAdapter(driver.ScriptedSchedulerAdapter):
         return self.sched.has_unfinished_requests()
 
 
-def replay_scripted(scenario: Dict[str, Any], mode: str) -> Dict[str, Any]:
-    """A scheduler-only mode: minivllm's ``Scheduler`` driven with the scenario's scripted tokens."""
+def replay_scripted(scenario: Dict[str, Any], mode: str,
+                    engine_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """A scheduler-only mode: minivllm's ``Scheduler`` driven with the scenario's scripted tokens
+    (``engine_overrides``: engine arguments added to the scenario's, e.g. a course learner's ``scheduler_cls``)."""
     from minivllm import LLMEngine
     from minivllm.model.loader import build_tiny_model, tiny_llama_config
 
     _, async_, _ = MODE_FLAGS[mode]
     events: List[Dict[str, Any]] = []
     model = build_tiny_model(tiny_llama_config(eos_token_id=scenario.get("eos_token_id", 2)))
-    engine = LLMEngine(model, kv_connector=EventRecordingConnector(events), **_engine_kwargs(scenario["engine"], mode))
+    kw = {**_engine_kwargs(scenario["engine"], mode), **(engine_overrides or {})}
+    kw.setdefault("kv_connector", EventRecordingConnector(events))  # an override may run without one (None)
+    engine = LLMEngine(model, **kw)
     log = driver.StepLog(events)
     driver.run_scripted(scenario, _ScriptedAdapter(engine, log), 2 if async_ else 1, log)
     steps = log.finish()
@@ -264,8 +271,9 @@ def replay_scripted(scenario: Dict[str, Any], mode: str) -> Dict[str, Any]:
     return {"steps": steps, "outputs": {s["id"]: {"finish_reason": finished.get(s["id"])} for s in scenario["requests"]}}
 
 
-def replay(scenario: Dict[str, Any], mode: str, model_dir: Optional[str] = None) -> Dict[str, Any]:
-    """Run one scenario in one mode on minivllm.
+def replay(scenario: Dict[str, Any], mode: str, model_dir: Optional[str] = None,
+           engine_overrides: Optional[Dict[str, Any]] = None) -> Dict[str, Any]:
+    """Run one scenario in one mode on minivllm (``engine_overrides``: engine arguments added to the scenario's).
 
     Raises:
         NotImplementedError: when minivllm cannot run ``mode`` (see ``unsupported_reason``).
@@ -274,5 +282,5 @@ def replay(scenario: Dict[str, Any], mode: str, model_dir: Optional[str] = None)
     if why:
         raise NotImplementedError(why)
     if MODE_FLAGS[mode][2]:
-        return replay_live(scenario, model_dir)
-    return replay_scripted(scenario, mode)
+        return replay_live(scenario, model_dir, engine_overrides)
+    return replay_scripted(scenario, mode, engine_overrides)

@@ -1,0 +1,113 @@
+"""The grader: ``./course.sh grade [NN ...]`` or ``python -m minivllm.course.grade [NN ...]``.
+
+Reads the learner's exercise cells from their saved notebooks (``cells.py``), runs every part's checker on them,
+hidden workloads included, and prints a progress table per lesson. A failed part gets its first difference (step,
+request, field; expected and yours side by side) and hints: the first by default, more with ``--hints 2`` or
+``--hints 3`` (a nudge, the idea, the line to write). ``--solutions`` grades the notebooks of
+``notebooks/solutions/`` instead. Exit status: 0 when every graded part passes, 1 otherwise (blank parts count
+as not passed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import sys
+import time
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from minivllm.course.learner import cells as _cells
+from minivllm.course.learner.parts import Part, load_all, run_check
+
+STATUS_MARK = {"passed": "✓ passed", "failed": "✗ failed", "blank": "· blank", "error": "✗ error"}
+
+
+def learner_namespaces(folder: str, lessons: Sequence[str], solutions: bool) -> Dict[str, Tuple[Dict[str, Any], str]]:
+    """part name -> (the namespace its exercise cell ran in, the notebook's file name)."""
+    if solutions:
+        paths = sorted(glob.glob(os.path.join(folder, "solutions", "*.ipynb")))
+    else:
+        paths = []
+        for lesson in lessons:
+            try:
+                paths.append(_cells.lesson_notebook(lesson, folder))
+            except FileNotFoundError:
+                continue
+    found: Dict[str, Tuple[Dict[str, Any], str]] = {}
+    for path in paths:
+        cells = _cells.exercise_cells(path)
+        if not cells:
+            continue
+        ns = _cells.run_cells(cells, path)
+        for c in cells:
+            found[c.part] = (ns, os.path.basename(path))
+    return found
+
+
+def grade(lessons: Optional[Sequence[str]] = None, folder: Optional[str] = None, solutions: bool = False,
+          hints: int = 1, out=None) -> List[Tuple[Part, str, str, float]]:
+    """Grade ``lessons`` (default: every lesson with parts); print the table and the failures to ``out``.
+
+    Returns ``(part, status, message, seconds)`` per part; status is ``passed``, ``failed``, ``blank`` or
+    ``error`` (its cell did not run).
+    """
+    out = out or sys.stdout
+    parts = load_all()
+    wanted = sorted({p.lesson for p in parts.values()}) if not lessons else [f"{int(x):02d}" for x in lessons]
+    folder = folder or _cells.notebooks_dir()
+    spaces = learner_namespaces(folder, wanted, solutions)
+    results = []
+    for part in parts.values():
+        if part.lesson not in wanted:
+            continue
+        t0 = time.perf_counter()
+        if part.name not in spaces:
+            status, msg = "blank", f"no cell starting '# Your turn: {part.name}' in the notebook"
+        else:
+            ns, _nb = spaces[part.name]
+            err = ns["__errors__"].get(part.name)
+            if err:
+                status, msg = "error", err
+            else:
+                status, msg = run_check(part, ns.get(part.symbol), hidden=True)
+        results.append((part, status, msg, time.perf_counter() - t0))
+    _print_table(results, wanted, out, solutions)
+    for part, status, msg, _ in results:
+        if status in ("failed", "error"):
+            print(f"\n── {part.lesson} {part.name} ({part.symbol}) ──\n{msg}", file=out)
+            for i, h in enumerate(part.hints[:max(0, hints)]):
+                print(f"  Hint {i + 1}: {h}", file=out)
+            if hints < 3:
+                print(f"  (more hints: --hints {hints + 1})", file=out)
+    return results
+
+
+def _print_table(results, lessons, out, solutions) -> None:
+    print(f"Grading {'the solutions notebooks' if solutions else 'your notebooks'} (hidden cases included)\n",
+          file=out)
+    print(f"{'lesson':<7}{'part':<22}{'writes':<58}{'status':<10}{'time':>6}", file=out)
+    for lesson in lessons:
+        rows = [r for r in results if r[0].lesson == lesson]
+        for part, status, _msg, secs in rows:
+            writes = part.writes if len(part.writes) <= 56 else part.writes[:55] + "…"
+            print(f"{lesson:<7}{part.name:<22}{writes:<58}{STATUS_MARK[status]:<10}{secs:>5.1f}s", file=out)
+        if rows:
+            done = sum(1 for r in rows if r[1] == "passed")
+            print(f"{'':<7}{'':<22}{'lesson ' + lesson + f': {done} of {len(rows)} parts passed':<58}", file=out)
+    done = sum(1 for r in results if r[1] == "passed")
+    print(f"\nIn all: {done} of {len(results)} parts passed.", file=out)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m minivllm.course.grade", description=__doc__.split("\n\n")[0])
+    ap.add_argument("lessons", nargs="*", help="lesson numbers (03 ... 08); default: all")
+    ap.add_argument("--notebooks", default=None, help="the course's notebooks folder (default: ./notebooks)")
+    ap.add_argument("--solutions", action="store_true", help="grade notebooks/solutions/ instead")
+    ap.add_argument("--hints", type=int, default=1, choices=[0, 1, 2, 3], help="hints shown per failed part")
+    args = ap.parse_args(argv)
+    for x in args.lessons:
+        if not x.isdigit():
+            ap.error(f"lessons must be numbers such as 04, got {x!r}")
+    results = grade(args.lessons, args.notebooks, args.solutions, args.hints)
+    return 0 if results and all(r[1] == "passed" for r in results) else 1

@@ -1,0 +1,1 @@
+"""Lesson 05's parts (see ``minivllm.course.learner.parts``); filled in by issue 26's lesson work."""
