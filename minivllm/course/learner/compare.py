@@ -186,3 +186,45 @@ def _request_of(a: Any, b: Any) -> Optional[str]:
         if len(a) != len(b):
             return str(longer[min(len(a), len(b))])
     return None
+
+
+def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workloads: Sequence[Dict[str, Any]],
+                         hidden: Sequence[Dict[str, Any]] = (), fields: Sequence[str] = COMPARED_FIELDS,
+                         with_connector: bool = False) -> int:
+    """The checker of a scheduler part: ``cls`` must be a ``Scheduler`` subclass that overrides ``methods`` and
+    no other part's method, and schedule every workload exactly as the reference does.
+
+    Returns the number of workloads run. Raises ``parts.NotWritten`` while a method still raises
+    ``NotImplementedError``, ``parts.PartFailed`` naming the workload and the first difference (or the exception
+    the learner's code raised, with its step).
+    """
+    from minivllm.core.sched.scheduler import Scheduler
+    from minivllm.course.learner.parts import NotWritten, PartFailed
+
+    if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
+        raise PartFailed(f"{part_name}: expected a subclass of Scheduler, got {cls!r}")
+    own = {k for k in vars(cls) if callable(vars(cls)[k]) and not k.startswith("__")}
+    missing = [m for m in methods if m not in own]
+    if missing:
+        raise PartFailed(f"{part_name}: your class must define {', '.join(missing)} (it overrides {sorted(own)})")
+    stray = sorted(m for m in own if m.startswith("_") and hasattr(Scheduler, m) and m not in methods)
+    if stray:
+        raise PartFailed(f"{part_name}: override only {', '.join(methods)}; your class also overrides "
+                         f"{', '.join(stray)}, another part's method (your engine combines every lesson's class)")
+    n = 0
+    for w in list(workloads) + list(hidden):
+        expected = run_steps(w, None, with_connector)
+        try:
+            got = run_steps(w, cls, with_connector)
+        except NotImplementedError:
+            raise NotWritten(f"{cls.__name__} still raises NotImplementedError") from None
+        except Exception as e:  # noqa: BLE001 - the learner's error is reported with its workload
+            raise PartFailed(f"{part_name}: your {cls.__name__} raised {type(e).__name__}: {e}\n"
+                             f"  on workload {describe(w)}") from None
+        d = first_difference(expected, got, fields)
+        if d is not None:
+            e_step = expected[d.step] if d.step < len(expected) else None
+            g_step = got[d.step] if d.step < len(got) else None
+            raise PartFailed(f"on workload {describe(w)}\n{d.format(e_step, g_step)}")
+        n += 1
+    return n
