@@ -120,6 +120,14 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m pytest -n "${MINIVLLM_TEST_WORKERS:-2}" --dist loadscope tests notebooks \
       --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg "$@"
     ;;
+  grade)
+    # The learner's engine parts, read from their saved notebooks, checked against the reference (hidden
+    # workloads included): a progress table per lesson; --hints N shows more hints; --solutions grades
+    # notebooks/solutions/. Exit status 0 when every graded part passes.
+    install
+    shift
+    exec "$VENV/bin/python" -m minivllm.course.grade "$@"
+    ;;
   slides)
     # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed).
     install
@@ -153,7 +161,7 @@ case "${1:-}" in
       --vllm033-python "${MINIVLLM_VLLM033_VENV:-.venv-vllm033}/bin/python" "$@"
     ;;
   *)
-    echo "usage: ./course.sh lab | test | install | slides | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2
+    echo "usage: ./course.sh lab | test | install | grade [NN ...] | slides | bench [args] | figures | gpu-check [args] | vllm-check [args]" >&2
     exit 2
     ;;
 esac

@@ -203,7 +203,9 @@ def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workl
 
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
         raise PartFailed(f"{part_name}: expected a subclass of Scheduler, got {cls!r}")
-    own = {k for k in vars(cls) if callable(vars(cls)[k]) and not k.startswith("__")}
+    base_names = {c for c in Scheduler.__mro__}
+    own = {k for c in cls.__mro__ if c not in base_names for k, v in vars(c).items()
+           if callable(v) and not k.startswith("__")}
     missing = [m for m in methods if m not in own]
     if missing:
         raise PartFailed(f"{part_name}: your class must define {', '.join(missing)} (it overrides {sorted(own)})")

