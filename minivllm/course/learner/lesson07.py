@@ -57,13 +57,13 @@ def _harness(cls: type, skip_ids: Sequence[str] = (), guard: bool = False) -> ty
     and, with ``guard``, ``kv_cache_manager.get_computed_blocks`` raises ``_Shortcut`` when there is no connector."""
     skip = frozenset(skip_ids)
 
-    class Checked(cls):  # type: ignore[misc, valid-type]
+    class Checked(cls):
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
             if guard and self.connector is None:
-                self.kv_cache_manager.get_computed_blocks = _refuse  # type: ignore[method-assign]
+                self.kv_cache_manager.get_computed_blocks = _refuse
 
-        def add_request(self, request):  # type: ignore[no-untyped-def]
+        def add_request(self, request: Any) -> None:
             if request.request_id in skip:
                 request.sampling_params.skip_reading_prefix_cache = True
             super().add_request(request)
