@@ -3,9 +3,10 @@
 The learner writes ``PrefixCacheLookup``, a ``Scheduler`` subclass that overrides ``_prefix_cache_lookup`` (the
 seam of ``scheduler_cls``, vLLM 0.32 ``SchedulerConfig.scheduler_cls``): for a waiting request about to be admitted,
 the longest run of its full blocks already in the prefix cache, as vLLM's ``KVCacheManager.get_computed_blocks``
-finds it (`v0.32.0 kv_cache_manager.py L177
-<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/kv_cache_manager.py#L177>`_, with
-``FullAttentionManager.find_longest_cache_hit`` walking the hashes): nothing when the request may not read the
+finds it (`v0.32.0 kv_cache_manager.py L264
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/kv_cache_manager.py#L264>`_, with
+``FullAttentionManager.find_longest_cache_hit`` walking the hashes, `single_type_kv_cache_manager.py L784
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/single_type_kv_cache_manager.py#L784>`_): nothing when the request may not read the
 cache (``KVCacheManager.prefix_cache_lookup_enabled``: caching off, or ``skip_reading_prefix_cache``); at most
 ``(num_tokens - 1) // block_size`` blocks (vLLM's ``max_cache_hit_length = request.num_tokens - 1``: the last token
 is always computed, its logits sample the next token); walk ``request.block_hashes`` from the first and stop at
