@@ -121,7 +121,7 @@ def test_no_last_block_rule_fails_naming_it():
     status, msg = parts.run_check(PART, NoLastBlockRule, hidden=False)
     assert status == "failed"
     assert "a request of 4 tokens (block_size=4, 1 full block)" in msg
-    assert "at most (4 - 1) // 4 = 0 blocks" in msg and "yours:    1 blocks [0]" in msg
+    assert "at most (4 - 1) // 4 = 0 blocks" in msg and "yours:    1 block [0]" in msg
     assert "the last-block rule" in msg
 
 

@@ -220,11 +220,15 @@ def _compare_hit(hit: Any, exp_blocks: list, exp_tokens: int, bs: int, where: st
             f"{PART}: on {where}\n"
             f"  cached per full block of the request: {flags}; last-block rule: at most "
             f"({req.num_tokens} - 1) // {bs} = {(req.num_tokens - 1) // bs} blocks\n"
-            f"    expected: {len(exp_ids)} blocks {exp_ids}, num_new_local_computed_tokens {exp_tokens}\n"
-            f"    yours:    {len(got_ids)} blocks {got_ids}, num_new_local_computed_tokens {tokens}" + why)
+            f"    expected: {_blocks(exp_ids)}, num_new_local_computed_tokens {exp_tokens}\n"
+            f"    yours:    {_blocks(got_ids)}, num_new_local_computed_tokens {tokens}" + why)
     if (external, load_async) != (0, False):
         raise PartFailed(f"{PART}: on {where} (no connector), num_external_computed_tokens and load_kv_async must "
                          f"be 0 and False, yours are {external!r} and {load_async!r}")
+
+
+def _blocks(ids: list) -> str:
+    return f"{len(ids)} block{'' if len(ids) == 1 else 's'} {ids}"
 
 
 def _why(got: list, exp: list, tokens: int, exp_tokens: int, bs: int, req: Any, kv: Any) -> str:
@@ -291,7 +295,7 @@ HINTS = (
 register(Part(
     name=PART, lesson="07", symbol="PrefixCacheLookup", kind="scheduler",
     seam="scheduler_cls: Scheduler._prefix_cache_lookup",
-    writes="the prefix-cache lookup at admission (longest hit, last-block rule)",
+    writes="prefix-cache lookup: longest hit, last-block rule",
     check=check, hints=HINTS, reference=PrefixCacheLookupReference,
 ))
 
