@@ -218,3 +218,43 @@ def test_hash_chain_rows_follow_the_engine():
     ax = draw_hash_chain(reqs, 4, eng.kv_cache_manager.block_pool)
     texts = [t.get_text() for t in ax.texts]
     assert f"hash {a[0].hash}" in texts and "block 4" in texts and texts.count(f"hash {a[0].hash}") == 2
+
+
+def _solution_from_the_solutions_notebook():
+    from minivllm.course.learner import cells
+
+    path = str(ROOT / "notebooks" / "solutions" / "07_prefix_caching_solutions.ipynb")
+    ns = cells.run_cells(cells.exercise_cells(path), path)
+    assert not ns["__errors__"]
+    return ns["PrefixCacheLookup"]
+
+
+@pytest.mark.parametrize("load_mode", ["sync", "async"])
+def test_the_given_connector_lines_match_the_reference(load_mode):
+    """With a KV connector the learner's class runs its own walk plus the cell's given connector lines (the
+    checker's runs have no connector): a fresh engine loading a stored prefix from the CPU store schedules, caches
+    and samples exactly as the reference does, synchronous and asynchronous loads alike."""
+    from minivllm import SamplingParams
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.distributed.kv_transfer import KVBlockStore, OffloadConnector
+
+    yours = _solution_from_the_solutions_notebook()
+    prompt = list(range(30, 52))
+    store = KVBlockStore()
+    filler = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=32, max_model_len=64,
+                             kv_connector=OffloadConnector(4, store=store))
+    filler.add_request("P", prompt, SamplingParams(temperature=0, max_tokens=2))
+    filler.run_to_completion()
+
+    def run(cls):
+        eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=32, max_model_len=64, scheduler_cls=cls,
+                              kv_connector=OffloadConnector(4, store=store, load_mode=load_mode))
+        eng.add_request("A", prompt + [7, 8], SamplingParams(temperature=0, max_tokens=3))
+        eng.add_request("B", prompt[:9], SamplingParams(temperature=0, max_tokens=3, skip_reading_prefix_cache=True))
+        out = eng.run_to_completion()
+        return ([s.num_scheduled_tokens for s in eng.trace],
+                {r: (o.num_cached_tokens, o.outputs[0].token_ids) for r, o in out.items()})
+
+    ref, got = run(Scheduler), run(yours)
+    assert got == ref
+    assert ref[1]["A"][0] == 20 and ref[1]["B"][0] == 0  # A loaded 5 stored blocks; B read no cache
