@@ -49,7 +49,7 @@ EXERCISE_STARS = {
     ("04", "static_batching"): 2,
     ("05", "predict_chunks"): 2, ("05", "predicted"): 2,
     ("06", "resume_cost"): 1, ("06", "schedule_step"): 3,
-    ("07", "longest_cache_hit"): 2, ("07", "resume_cost"): 2,
+    ("07", "PrefixCacheLookup"): 2, ("07", "predicted_hit"): 1, ("07", "predicted_same_preemptions"): 1,
     ("08", "FixedConnector"): 3,
 }
 ROUND_TO = 5

@@ -135,8 +135,7 @@ def test_decoder_layer_checks_a_given_model_too(capsys):
     [ex.check_rms_norm, ex.check_rope, ex.check_gqa_attention, ex.check_swiglu, ex.check_decoder_layer,
      ex.check_greedy_generate, ex.check_kv_cache, ex.check_cached_attention, ex.check_slot_mapping,
      ex.check_write_kv, ex.check_gather_kv, ex.check_paged_attention, ex.check_static_batching,
-     ex.check_predict_chunks, ex.check_schedule_step, ex.check_resume_cost, ex.check_resume_cost_cached,
-     ex.check_longest_cache_hit],
+     ex.check_predict_chunks, ex.check_schedule_step, ex.check_resume_cost],
 )
 def test_stub_is_reported_not_raised(check, capsys):
     check(stub)
@@ -517,25 +516,6 @@ def test_resume_cost_checkers():
     with pytest.raises(ExerciseFailed, match="computed again with the prompt"):
         ex.check_resume_cost(lambda p, o: p)
 
-    def cached_cost(p, o, block_size, cached):
-        hits = 0
-        while hits < len(cached) and cached[hits]:
-            hits += 1
-        return p + o - block_size * hits
-
-    ex.check_resume_cost_cached(cached_cost)
-    with pytest.raises(ExerciseFailed, match=r"resume_cost\(8, 9, 4, \[True, True, False, False\]\)(.|\n)*returned 17, "
-                       r"the engine computed 9 tokens(.|\n)*cached blocks are not computed again"):
-        ex.check_resume_cost_cached(lambda p, o, bs, cached: p + o)
-
-
-def test_resume_cost_cases_include_hits_and_misses():
-    from minivllm.course.exercises.resume import resume_cases
-
-    cases = resume_cases()
-    costs = [(c[3]["num_prompt_tokens"] + c[3]["num_output_tokens"], c[4]) for c in cases]
-    assert any(n == cost for n, cost in costs) and any(cost < n for n, cost in costs)
-
 
 def test_chunk_prediction(capsys):
     ex.check_chunk_prediction(None)
@@ -559,21 +539,6 @@ def test_predict_chunks():
     ex.check_predict_chunks(predict)
     with pytest.raises(ExerciseFailed, match=r"predict_chunks\(160, 64, 2\)(.|\n)*returned \[64, 64, 32\]"):
         ex.check_predict_chunks(lambda p, b, d: [min(b, p - i) for i in range(0, p, b)])
-
-
-def test_longest_cache_hit():
-    def hit(block_hashes, cached, num_tokens, block_size):
-        n = 0
-        for h in block_hashes[: (num_tokens - 1) // block_size]:
-            if h not in cached:
-                break
-            n += 1
-        return n * block_size
-
-    ex.check_longest_cache_hit(hit)
-    no_cap = "block_size=1, num_tokens=1:\n    returned 1, expected 0(.|\n)*the last token must be computed"
-    with pytest.raises(ExerciseFailed, match=no_cap):
-        ex.check_longest_cache_hit(lambda hs, c, n, bs: bs * next((i for i, h in enumerate(hs) if h not in c), len(hs)))
 
 
 def test_fixed_connector(capsys):
