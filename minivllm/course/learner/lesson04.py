@@ -29,7 +29,7 @@ the queue loops forever), naming the step and the limit.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Type
 
 from minivllm.core.sched.scheduler import Scheduler, SchedulerStep
 from minivllm.course.learner import compare
@@ -100,7 +100,7 @@ class LimitExceeded(Exception):
     """The learner's waiting loop broke a rule that the engine itself asserts (or looped without end)."""
 
 
-def _guarded(cls: type) -> type:
+def _guarded(cls: Type[Scheduler]) -> type:
     """``cls`` with its ``_schedule_waiting`` watched: after it returns, no more than ``max_num_seqs`` requests run
     and the budget left is ``max_num_batched_tokens`` minus the tokens scheduled; while it runs, it peeks at the
     queue's head at most once more than there were waiting requests. Raises ``LimitExceeded`` naming the step.
@@ -189,6 +189,6 @@ HINTS = (
 register(Part(
     name=PART, lesson="04", symbol="WaitingLoop", kind="scheduler",
     seam="scheduler_cls: Scheduler._schedule_waiting",
-    writes="the waiting loop: admission under budget, max_num_seqs, blocks",
+    writes="waiting loop: budget, max_num_seqs, whole prompt, FCFS",
     check=check_waiting_loop, hints=HINTS, reference=Scheduler,
 ))
