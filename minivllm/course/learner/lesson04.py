@@ -23,8 +23,8 @@ The checker runs the learner's class against the reference ``Scheduler`` step by
 ones that hit ``max_num_seqs``, the whole-prompt check on and off, a head that does not fit (blocks, or a budget
 without chunked prefill), the watermark, prefix-cache hits and resumed requests. Before the step records are
 compared, a guard stops a run whose waiting loop broke a limit the engine asserts (``max_num_seqs``, the token
-budget), or that peeks at the same head again and again (a ``continue`` that does not take the request out of
-the queue loops forever), naming the step and the limit.
+budget), or that peeks at the head far more often than requests wait (a ``continue`` that does not take the
+request out of the queue loops forever), naming the step and the limit.
 """
 
 from __future__ import annotations
@@ -103,22 +103,24 @@ class LimitExceeded(Exception):
 def _guarded(cls: Type[Scheduler]) -> type:
     """``cls`` with its ``_schedule_waiting`` watched: after it returns, no more than ``max_num_seqs`` requests run
     and the budget left is ``max_num_batched_tokens`` minus the tokens scheduled; while it runs, it peeks at the
-    queue's head at most once more than there were waiting requests. Raises ``LimitExceeded`` naming the step.
-    Same name as ``cls``, so that the checker's messages say "your WaitingLoop"."""
+    queue's head at most ten times per waiting request (a loop that never ends is stopped). Raises
+    ``LimitExceeded`` naming the step. Same name as ``cls``, so that the checker's messages say "your
+    WaitingLoop"."""
 
     def _schedule_waiting(self: Scheduler, step: SchedulerStep) -> None:
         cfg = self.config
         call = self.stats.num_steps  # schedule() calls before this one: this step's index
         queue = self.waiting
         peek = queue.peek_request
-        limit = len(queue) + 1
+        waiting = len(queue)
+        limit = 10 * (waiting + 1)  # a correct loop peeks once per admission and once more; a few extra are fine
         peeks = [0]
 
         def counted_peek():
             peeks[0] += 1
             if peeks[0] > limit:
                 raise LimitExceeded(
-                    f"step {call}: your loop peeked at the waiting queue's head {peeks[0]} times with only {limit - 1} "
+                    f"step {call}: your loop peeked at the waiting queue's head {peeks[0]} times with only {waiting} "
                     "requests waiting: a request that is not admitted must stop the loop (break); a `continue` "
                     "that leaves it at the head looks at it forever")
             return peek()
