@@ -46,7 +46,7 @@ EXERCISE_STARS = {
     ("01", "decoder_layer"): 3, ("01", "greedy_generate"): 2,
     ("02", "KVCache"): 2, ("02", "cached_attention"): 2,
     ("03", "slot_mapping"): 1, ("03", "write_kv"): 1, ("03", "gather_kv"): 2, ("03", "paged_attention"): 3,
-    ("04", "static_batching"): 2,
+    ("04", "WaitingLoop"): 3, ("04", "predicted"): 1, ("04", "static_batching"): 2,
     ("05", "predict_chunks"): 2, ("05", "predicted"): 2,
     ("06", "resume_cost"): 1, ("06", "schedule_step"): 3,
     ("07", "PrefixCacheLookup"): 2, ("07", "predicted_hit"): 1, ("07", "predicted_same_preemptions"): 1,
