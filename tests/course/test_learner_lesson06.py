@@ -237,3 +237,32 @@ def test_overriding_another_parts_method_is_refused():
     Both = variant("Both", RunningLoop, RL, _pick_victim=vars(Preemption)["_pick_victim"])
     st, msg = status("running_loop", Both)
     assert st == "failed" and "also overrides _pick_victim" in msg
+
+
+# ---- the picture: preemption before and after ------------------------------------------------------------------------
+def test_the_preemption_picture_shows_the_victims_blocks_going_to_the_requests_that_needed_them():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm import SamplingParams
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.viz.preemption_picture import plot_preemption, preemption_change
+
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=9, enable_prefix_caching=False)
+    for i, rid in enumerate("ABC"):
+        eng.add_request(rid, [10 + 7 * i + j for j in range(8)], SamplingParams(temperature=0, max_tokens=20))
+    eng.run_to_completion()
+    ch = preemption_change(eng.trace)
+    assert (ch.step, ch.victims) == (5, ["C"])
+    assert ch.before.running == ["A", "B", "C"] and ch.before.waiting == [] and ch.before.free_blocks == []
+    assert ch.freed == {"C": [4, 5, 8]} and ch.gained == {"A": [4], "B": [5]} and ch.after.free_blocks == [8]
+    assert ch.after.waiting == ["C"] and ch.after.computed["C"] == 0 and ch.before.computed["C"] == 12
+    later = preemption_change(eng.trace, 9)  # B preempted while C waits: B goes in front of C
+    assert later.before.waiting == ["C"] and later.after.waiting == ["B", "C"] and later.gained == {"A": [8]}
+    fig, drawn = plot_preemption(eng.trace, 9)
+    assert drawn.freed == later.freed and len(fig.axes) == 2
+    plt.close(fig)
+    with pytest.raises(ValueError, match=r"one of \[5, 9, 24\]"):
+        preemption_change(eng.trace, 6)
