@@ -266,3 +266,21 @@ def test_the_preemption_picture_shows_the_victims_blocks_going_to_the_requests_t
     plt.close(fig)
     with pytest.raises(ValueError, match=r"one of \[5, 9, 24\]"):
         preemption_change(eng.trace, 6)
+
+
+def test_the_solutions_hand_the_settings_they_do_not_teach_to_the_reference():
+    """Async scheduling (whose scheduler_cls must derive from AsyncScheduler), Model Runner V2, a KV connector
+    (deferred block frees under async) and vLLM 0.33: the solutions, combined, schedule as the reference does."""
+    from minivllm.core.sched.async_scheduler import AsyncScheduler
+
+    mine = lesson06.scheduler_cls(RunningLoop, Preemption)
+    mine_async = type("AsyncLesson06", (mine, AsyncScheduler), {})
+    workloads = lesson06.notebook_workloads()
+    for mode, cls in (("v1-async", mine_async), ("v2-async", mine_async), ("v2-sync", mine)):
+        for connector in (False, True):
+            for w in workloads:
+                assert compare.run_steps(w, cls, connector, mode) == compare.run_steps(w, None, connector, mode), \
+                    (mode, connector, w["name"])
+    for w in workloads:
+        w["extra_engine_kwargs"]["vllm_release"] = "0.33"
+        assert compare.run_steps(w, mine) == compare.run_steps(w), w["name"]
