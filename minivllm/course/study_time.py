@@ -48,7 +48,8 @@ EXERCISE_STARS = {
     ("03", "slot_mapping"): 1, ("03", "write_kv"): 1, ("03", "gather_kv"): 2, ("03", "paged_attention"): 3,
     ("04", "WaitingLoop"): 3, ("04", "predicted"): 1, ("04", "static_batching"): 2,
     ("05", "predict_chunks"): 2, ("05", "predicted"): 2,
-    ("06", "resume_cost"): 1, ("06", "schedule_step"): 3,
+    ("06", "predicted_victim"): 1, ("06", "predicted_resume"): 1, ("06", "predicted_gate"): 1,
+    ("06", "RunningLoop"): 2, ("06", "Preemption"): 3,
     ("07", "PrefixCacheLookup"): 2, ("07", "predicted_hit"): 1, ("07", "predicted_same_preemptions"): 1,
     ("08", "FixedConnector"): 3,
 }

@@ -135,7 +135,7 @@ def test_decoder_layer_checks_a_given_model_too(capsys):
     [ex.check_rms_norm, ex.check_rope, ex.check_gqa_attention, ex.check_swiglu, ex.check_decoder_layer,
      ex.check_greedy_generate, ex.check_kv_cache, ex.check_cached_attention, ex.check_slot_mapping,
      ex.check_write_kv, ex.check_gather_kv, ex.check_paged_attention, ex.check_static_batching,
-     ex.check_predict_chunks, ex.check_schedule_step, ex.check_resume_cost],
+     ex.check_predict_chunks],
 )
 def test_stub_is_reported_not_raised(check, capsys):
     check(stub)
@@ -425,96 +425,6 @@ def test_compare_tensors_messages():
 
 # ---- notebooks 05-08: the scheduler and connector exercises, checked against the engine -----------------------
 # Solutions written from vLLM 0.32's Scheduler.schedule (FCFS) and the connector contract, not from the package.
-def _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index):
-    scheduled, preempted_any, i = {}, False, 0
-    while i < len(running) and token_budget > 0:
-        request = running[i]
-        n = min(request.num_tokens - request.num_computed_tokens, token_budget)
-        while not allocate_slots(request, n):
-            victim = running[victim_index]
-            preempt(victim)
-            preempted_any = True
-            if victim is request:
-                break
-        if request not in running:  # it preempted itself: nobody behind it gets anything this step
-            break
-        scheduled[request.request_id] = n
-        token_budget -= n
-        i += 1
-    if not preempted_any:
-        schedule_waiting(token_budget)
-    return scheduled
-
-
-def schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting):
-    return _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index=-1)
-
-
-def schedule_step_without_gate(running, token_budget, allocate_slots, preempt, schedule_waiting):
-    scheduled = schedule_step(running, token_budget, allocate_slots, preempt, lambda budget: None)
-    schedule_waiting(token_budget - sum(scheduled.values()))
-    return scheduled
-
-
-def schedule_step_first_victim(running, token_budget, allocate_slots, preempt, schedule_waiting):
-    """Preempts the head of the running queue instead of its tail."""
-    return _schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting, victim_index=0)
-
-
-def schedule_step_no_budget_cap(running, token_budget, allocate_slots, preempt, schedule_waiting):
-    """Gives every running request all its remaining tokens (ignores the budget)."""
-    scheduled = {}
-    for request in list(running):
-        n = request.num_tokens - request.num_computed_tokens
-        if not allocate_slots(request, n):
-            return schedule_step(running, token_budget, allocate_slots, preempt, schedule_waiting)
-        scheduled[request.request_id] = n
-    schedule_waiting(max(token_budget - sum(scheduled.values()), 0))
-    return scheduled
-
-
-def test_schedule_step_accepts_the_reference_loop(capsys):
-    ex.check_schedule_step(schedule_step)
-    out = capsys.readouterr().out
-    assert out.startswith("✓ schedule_step: all ") and int(out.split()[3]) > 100  # steps checked
-
-
-def test_schedule_step_stub_is_not_accepted(capsys):
-    def stub(running, token_budget, allocate_slots, preempt, schedule_waiting):
-        raise NotImplementedError
-
-    ex.check_schedule_step(stub)
-    out = capsys.readouterr().out
-    assert "schedule_step: not written yet" in out and "✓" not in out
-
-
-def test_schedule_step_without_the_gate_fails_at_the_first_preemption():
-    with pytest.raises(ExerciseFailed) as e:
-        ex.check_schedule_step(schedule_step_without_gate)
-    msg = str(e.value)
-    assert "workload '06 section 1'" in msg and "step 5:" in msg  # notebook 06's first preemption: (5, 'C')
-    assert "in a step that preempted ['C']" in msg and "no-admission gate" in msg
-
-
-def test_schedule_step_wrong_victim_names_the_expected_one():
-    with pytest.raises(ExerciseFailed) as e:
-        ex.check_schedule_step(schedule_step_first_victim)
-    msg = str(e.value)
-    assert "step 5:" in msg and "request 'C' should have been preempted" in msg and "running[-1]" in msg
-
-
-def test_schedule_step_without_budget_cap_names_request_and_counts():
-    with pytest.raises(ExerciseFailed) as e:
-        ex.check_schedule_step(schedule_step_no_budget_cap)
-    msg = str(e.value)
-    # budget 6: B decodes (1 token), so resumed C's 8 tokens are cut to 5
-    assert "workload 'chunks and preemption'" in msg and "request 'C': expected 5 tokens, got 8" in msg
-
-
-def test_resume_cost_checkers():
-    ex.check_resume_cost(lambda p, o: p + o)
-    with pytest.raises(ExerciseFailed, match="computed again with the prompt"):
-        ex.check_resume_cost(lambda p, o: p)
 
 
 def test_chunk_prediction(capsys):

@@ -194,7 +194,8 @@ def _add(engine, spec: Dict[str, Any]) -> None:
     engine.add_request(spec["id"], list(spec["prompt_token_ids"]),
                        SamplingParams(temperature=s.get("temperature", 0.0), max_tokens=s["max_tokens"],
                                       ignore_eos=s.get("ignore_eos", False),
-                                      stop_token_ids=list(s.get("stop_token_ids", []))))
+                                      stop_token_ids=list(s.get("stop_token_ids", []))),
+                       priority=int(spec.get("priority", 0)))  # the course's priority workloads (issue 26)
 
 
 _MODEL_CACHE: Dict[str, Any] = {}

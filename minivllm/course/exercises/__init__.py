@@ -14,9 +14,8 @@ Notebook 03 (paged KV blocks): ``check_slot_mapping``, ``check_write_kv``, ``che
 Notebook 04 (static versus continuous batching): ``check_static_batching``.
 Notebook 05 (chunked prefill): ``check_predict_chunks``; ``check_chunk_prediction`` (a budget shared by a decode,
     a resumed request and a new one; ``show_shared_budget`` prints the state it starts from).
-Notebook 06 (preemption): ``check_schedule_step`` (the running loop with preemption and the no-admission gate,
-    compared with the engine's decisions step by step), ``check_resume_cost``.
-Notebook 07 (prefix caching): its part, the prefix-cache lookup, is checked by ``minivllm.course.learner.lesson07``.
+Notebook 06 (preemption): none here; its exercises are engine parts (``minivllm.course.learner.lesson06``).
+Notebook 07 (prefix caching): none here; its exercise is an engine part (``minivllm.course.learner.lesson07``).
 Notebook 08 (KV connectors): ``check_fixed_connector`` (the buggy connector's three failing scenarios).
 The worked solutions are out of the main flow: 01-03 in ``notebooks/solutions/part1_foundations_solutions.ipynb``,
 04-08 in ``notebooks/solutions/part2_scheduler_solutions.ipynb``. The cells of 01-03 that build on an exercise take
@@ -40,8 +39,6 @@ from minivllm.course.exercises.layers import (
     check_swiglu,
 )
 from minivllm.course.exercises.paged import check_gather_kv, check_paged_attention, check_slot_mapping, check_write_kv
-from minivllm.course.exercises.resume import check_resume_cost
-from minivllm.course.exercises.scheduling import check_schedule_step
 
 __all__ = [
     "ExerciseFailed",
@@ -55,10 +52,8 @@ __all__ = [
     "check_kv_cache",
     "check_paged_attention",
     "check_predict_chunks",
-    "check_resume_cost",
     "check_rms_norm",
     "check_rope",
-    "check_schedule_step",
     "check_slot_mapping",
     "check_static_batching",
     "check_swiglu",
