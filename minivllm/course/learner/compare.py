@@ -35,7 +35,7 @@ def workload(name: str, engine: Dict[str, Any], requests: Sequence[tuple], shows
     (``block_size``, ``num_usable_blocks``, ``max_num_batched_tokens``, ``max_num_seqs``, ``max_model_len``,
     ``long_prefill_token_threshold``, ``enable_prefix_caching``); missing ones get the defaults below.
     ``extra_engine_kwargs`` go to the engine beyond them (``scheduler_reserve_full_isl``, ``enable_chunked_prefill``,
-    ``policy``). The output tokens are scripted (never EOS), so every request runs to ``max_tokens``.
+    ``scheduling_policy``, ``watermark``). The output tokens are scripted (never EOS), so every request runs to ``max_tokens``.
     """
     eng = dict(block_size=4, num_usable_blocks=32, max_num_batched_tokens=64, max_num_seqs=16, max_model_len=256,
                long_prefill_token_threshold=0, enable_prefix_caching=False)
@@ -75,8 +75,9 @@ def random_workloads(seed: int, n: int, prefix_caching: Optional[bool] = None, c
         thr = rng.choice([0, 0, 8]) if chunked else 0
         extra: Dict[str, Any] = {}
         if not chunked:
+            # without chunking the engine requires a budget of at least max_model_len (SchedulerConfig.verify)
             extra["enable_chunked_prefill"] = False
-            budget = max(budget, max(r[1] for r in reqs) + 12)
+            budget = limit
         if rng.random() < 0.3:
             extra["scheduler_reserve_full_isl"] = False
         out.append(workload(f"hidden {seed}.{k}", dict(block_size=bs, num_usable_blocks=blocks,
@@ -92,7 +93,7 @@ def describe(w: Dict[str, Any]) -> str:
     e = {**w["engine"], **w.get("extra_engine_kwargs", {})}
     keys = ("block_size", "num_usable_blocks", "max_num_batched_tokens", "max_num_seqs",
             "long_prefill_token_threshold", "enable_prefix_caching", "scheduler_reserve_full_isl",
-            "enable_chunked_prefill", "policy")
+            "enable_chunked_prefill", "scheduling_policy", "watermark")
     kw = ", ".join(f"{k}={e[k]}" for k in keys if k in e)
     reqs = ", ".join(f"{r['id']}: {len(r['prompt_token_ids'])}+{r['sampling']['max_tokens']}"
                      f"@{r.get('arrive_at_step', 0)}" for r in w["requests"])
