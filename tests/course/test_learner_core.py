@@ -103,7 +103,7 @@ def test_grader_reads_the_saved_notebook(tmp_path, toy_part, capsys, body, statu
     assert "lesson 05: %d of 1 parts passed" % (status == "passed") in out
     if status == "failed":
         assert "first difference: step 0, field num_scheduled_tokens, request A" in out
-        assert "Hint 1: nudge" in out and "Hint 2: idea" in out and "Hint 3" not in out
+        assert "Hint 1:\n      nudge" in out and "Hint 2:\n      idea" in out and "Hint 3" not in out
     if status == "error":
         assert "SyntaxError" in out
 

@@ -14,6 +14,7 @@ import argparse
 import glob
 import os
 import sys
+import textwrap
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
@@ -77,7 +78,7 @@ def grade(lessons: Optional[Sequence[str]] = None, folder: Optional[str] = None,
         if status in ("failed", "error"):
             print(f"\n── {part.lesson} {part.name} ({part.symbol}) ──\n{msg}", file=out)
             for i, h in enumerate(part.hints[:max(0, hints)]):
-                print(f"  Hint {i + 1}: {h}", file=out)
+                print(f"  Hint {i + 1}:\n" + textwrap.indent(h, "      "), file=out)
             if hints < 3:
                 print(f"  (more hints: --hints {hints + 1})", file=out)
     return results

@@ -186,8 +186,11 @@ def _lookup_cases(cls: type, block_sizes: Sequence[int]) -> int:
                     except _Shortcut:
                         raise PartFailed(f"{PART}: {SHORTCUT}") from None
                     except Exception as e:  # noqa: BLE001 - the learner's error is reported with its case
+                        extra = ("\n  in minivllm the flag is request.sampling_params.skip_reading_prefix_cache "
+                                 "(vLLM 0.32 copies it onto the Request); prefix_cache_lookup_enabled(request) "
+                                 "reads it for you") if "skip_reading_prefix_cache" in str(e) else ""
                         raise PartFailed(f"{PART}: your {cls.__name__}._prefix_cache_lookup raised "
-                                         f"{type(e).__name__}: {e}\n  on {where}") from None
+                                         f"{type(e).__name__}: {e}\n  on {where}{extra}") from None
                     _compare_hit(hit, exp_blocks, exp_tokens, bs, where, req, kv)
                     if _pool_state(kv) != before:
                         raise PartFailed(f"{PART}: on {where}, your lookup changed the block pool (ref_cnt or the "
@@ -219,12 +222,16 @@ def _compare_hit(hit: Any, exp_blocks: list, exp_tokens: int, bs: int, where: st
         raise PartFailed(
             f"{PART}: on {where}\n"
             f"  cached per full block of the request: {flags}; last-block rule: at most "
-            f"({req.num_tokens} - 1) // {bs} = {(req.num_tokens - 1) // bs} blocks\n"
+            f"({req.num_tokens} - 1) // {bs} = {_n_blocks((req.num_tokens - 1) // bs)}\n"
             f"    expected: {_blocks(exp_ids)}, num_new_local_computed_tokens {exp_tokens}\n"
             f"    yours:    {_blocks(got_ids)}, num_new_local_computed_tokens {tokens}" + why)
     if (external, load_async) != (0, False):
         raise PartFailed(f"{PART}: on {where} (no connector), num_external_computed_tokens and load_kv_async must "
                          f"be 0 and False, yours are {external!r} and {load_async!r}")
+
+
+def _n_blocks(n: int) -> str:
+    return f"{n} block{'' if n == 1 else 's'}"
 
 
 def _blocks(ids: list) -> str:
@@ -244,6 +251,10 @@ def _why(got: list, exp: list, tokens: int, exp_tokens: int, bs: int, req: Any, 
     if len(got) > len(exp):
         return ("\n  the lookup stops at the first miss: a later block's hash chains this one's, so a later hit "
                 "cannot be used without the missing block's KV")
+    if got == exp[:len(got)]:
+        return (f"\n  you took fewer blocks than are cached and allowed: the limit is (num_tokens - 1) // block_size "
+                f"= {_n_blocks((req.num_tokens - 1) // bs)}, and num_tokens counts a resumed request's output "
+                "tokens too (not only num_prompt_tokens)")
     return ""
 
 
