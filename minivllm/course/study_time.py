@@ -50,7 +50,7 @@ EXERCISE_STARS = {
     ("05", "predict_chunks"): 2, ("05", "predicted"): 2,
     ("06", "resume_cost"): 1, ("06", "schedule_step"): 3,
     ("07", "longest_cache_hit"): 2, ("07", "resume_cost"): 2,
-    ("08", "FixedConnector"): 3,
+    ("08", "FixedConnector"): 3, ("08", "predicted_loads"): 1,
 }
 ROUND_TO = 5
 TOLERANCE_MIN = 5
