@@ -134,7 +134,7 @@ def step_records(engine: Any) -> List[Dict[str, Any]]:
     out = []
     for s in engine.trace:
         calls = s.connector_calls
-        meta = next((d for d in calls if d["call"] == "build_connector_meta"), {})
+        meta: Dict[str, Any] = next((d for d in calls if d["call"] == "build_connector_meta"), {})
         out.append({
             "asked": [[d["req_id"], d["num_computed_tokens"], d["result"][0], bool(d["result"][1])]
                       for d in calls if d["call"] == "get_num_new_matched_tokens"],
@@ -182,7 +182,7 @@ def _guard(reached: Set[str], borrowed: List[str]) -> Iterator[None]:
     from minivllm.course.buggy_connector import BuggyOffloadConnector
     from minivllm.distributed.kv_transfer import OffloadConnector
 
-    saved = []
+    saved: List[Tuple[type, str, Any]] = []
 
     def refuse(name):
         def method(self, *args, **kwargs):
@@ -465,6 +465,6 @@ def _reference_connector() -> type:
 register(Part(
     name="fixed_connector", lesson="08", symbol="FixedConnector", kind="connector",
     seam="kv_connector=: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta",
-    writes="the load decision of an offload connector (ask, record at alloc, emit and clear)",
+    writes="the load decision: ask, record at alloc, emit and clear",
     check=check_fixed_connector, hints=HINTS, reference=_reference_connector(),
 ))
