@@ -185,13 +185,13 @@ def test_a_load_into_the_wrong_blocks_fails_after_the_preemption():
 
 
 def test_a_wrong_answer_is_named_in_the_asked_field():
-    class Greedy(FixedConnector):  # answers the whole store match including the block of the last token
+    class Asynchronous(FixedConnector):  # answers that the load is asynchronous: the request waits for a report
         def get_num_new_matched_tokens(self, request, n):
             first, end = self.matched_blocks(request, n)
             self.matches[request.request_id] = (first, end)
-            return (end - first) * self.block_size, True  # asynchronous: the exercise loads synchronously
+            return (end - first) * self.block_size, True  # the exercise loads synchronously
 
-    msg = _failed(Greedy)
+    msg = _failed(Asynchronous)
     assert "field asked, request B" in msg and "synchronously (is_async False)" in msg
 
 
