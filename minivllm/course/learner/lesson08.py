@@ -109,16 +109,10 @@ def _run(prompts: Dict[str, List[int]], max_tokens: int, connector: Any, block_s
 
 
 def _recorder(inner: Any) -> Any:
-    """A ``RecordingConnector`` that also keeps the block ids of every load the metadata lists."""
+    """A ``RecordingConnector`` around ``inner`` (its ``build_connector_meta`` records carry the loads' block ids)."""
     from minivllm.course.recording_connector import RecordingConnector
 
-    class _LoadRecorder(RecordingConnector):
-        def build_connector_meta(self, scheduler_output):
-            meta = super().build_connector_meta(scheduler_output)
-            self.calls[-1]["load_ids"] = {t.req_id: list(t.block_ids) for t in getattr(meta, "loads", None) or []}
-            return meta
-
-    return _LoadRecorder(inner, record_layers=False)
+    return RecordingConnector(inner, record_layers=False)
 
 
 def _clone_store(store: Any) -> Any:
@@ -141,7 +135,7 @@ def step_records(engine: Any) -> List[Dict[str, Any]]:
             "allocated": [[d["req_id"], d["num_external_tokens"]] for d in calls
                           if d["call"] == "update_state_after_alloc"],
             "scheduled": dict(s.num_scheduled_tokens),
-            "loads": dict(meta.get("load_ids", {})),
+            "loads": dict(meta.get("load_block_ids", {})),
             "async loads": dict(meta.get("meta", {}).get("load_async", {})),
             "saves": dict(meta.get("meta", {}).get("save", {})),
             "waiting": list(s.waiting),
