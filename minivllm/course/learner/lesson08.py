@@ -9,8 +9,14 @@ worker side; no load decision to inherit):
 * ``update_state_after_alloc`` records the load, once the blocks exist and only if ``num_external_tokens > 0``;
 * ``build_connector_meta`` emits this step's loads next to the base's saves and clears the per-step records
   (vLLM 0.32 ``KVConnectorBase_V1.build_connector_meta``: "calling this function will reset the state of the
-  connector"; ``ExampleConnector`` ends it with ``self._requests_need_load.clear()``,
-  https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py).
+  connector"; ``ExampleConnector``,
+  https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/distributed/kv_transfer/kv_connector/v1/example_connector.py#L85,
+  fills ``_requests_need_load`` in ``update_state_after_alloc`` and clears it at the end of
+  ``build_connector_meta``, L328 on).
+
+minivllm differs from vLLM in one place here: vLLM has no base without a load decision (its
+``OffloadingConnector`` splits by role, into ``OffloadingConnectorScheduler`` and ``OffloadingConnectorWorker``);
+``OffloadConnectorBase`` exists so that the exercise starts from a base with no correct load decision to borrow.
 
 The checker runs the learner's connector inside the engine (``TracedLLMEngine(kv_connector=...)``, tiny model, fp32,
 greedy) on notebook 08's three scenarios and, with ``hidden=True``, on three it never shows, next to the reference
