@@ -12,13 +12,18 @@ admitted and after it finished, and the worker copies the same blocks again and 
 ``OffloadConnector`` does: decide the load in ``update_state_after_alloc`` and clear the per-step record in
 ``build_connector_meta`` (vLLM ``example_connector.py``: ``_requests_need_load`` is filled in
 ``update_state_after_alloc`` and cleared at the end of ``build_connector_meta``).
+
+It stands alone beside ``OffloadConnector``: both subclass ``OffloadConnectorBase`` (the store, the saves, the
+worker side; no load decision), so a subclass of this class inherits the bug and nothing correct to borrow.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
-from minivllm.distributed.kv_transfer.offload_connector import BlockTransfer, OffloadConnector, OffloadConnectorMetadata
+from minivllm.distributed.kv_transfer.offload_connector import (
+    BlockTransfer, OffloadConnectorBase, OffloadConnectorMetadata,
+)
 
 if TYPE_CHECKING:
     from minivllm.core.kv_cache_utils import KVCacheBlock
@@ -26,8 +31,9 @@ if TYPE_CHECKING:
     from minivllm.request import Request
 
 
-class BuggyOffloadConnector(OffloadConnector):
-    """``OffloadConnector`` with the "needs load" bug (synchronous loads only; same arguments otherwise).
+class BuggyOffloadConnector(OffloadConnectorBase):
+    """An offload connector with the "needs load" bug (synchronous loads only; ``OffloadConnectorBase``'s
+    arguments).
 
     Attributes:
         requests_need_load: ``req_id -> (request, first block, number of blocks)``, filled by
@@ -36,26 +42,21 @@ class BuggyOffloadConnector(OffloadConnector):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        if self.load_mode != "sync":
-            raise ValueError("BuggyOffloadConnector supports load_mode='sync' only")
         self.requests_need_load: Dict[str, Tuple["Request", int, int]] = {}
 
     def get_num_new_matched_tokens(self, request: "Request", num_computed_tokens: int) -> Tuple[Optional[int], bool]:
-        n, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if n:
+        first, end = self.matched_blocks(request, num_computed_tokens)
+        if end > first:
             # BUG 1: load intent recorded at question time, before anyone knows whether blocks will exist.
-            first = num_computed_tokens // self.block_size
-            self.requests_need_load[request.request_id] = (request, first, n // self.block_size)
-        return n, is_async
+            self.requests_need_load[request.request_id] = (request, first, end - first)
+        return (end - first) * self.block_size, False
 
     def update_state_after_alloc(self, request: "Request", blocks: List["KVCacheBlock"], num_external_tokens: int) -> None:
         # Only bookkeeping here; the load was already "decided" in get_num_new_matched_tokens.
-        self._requests[request.request_id] = request
-        self._block_ids[request.request_id] = [b.block_id for b in blocks]
-        self._lookups.pop(request.request_id, None)
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: "SchedulerOutput") -> OffloadConnectorMetadata:
-        meta = super().build_connector_meta(scheduler_output)  # saves and block tables, as in the real one
+        meta = super().build_connector_meta(scheduler_output)  # this step's saves
         for rid, (request, first, num_blocks) in self.requests_need_load.items():
             ids = self._block_ids.get(rid, [])[first : first + num_blocks]  # [] while it has no blocks
             meta.loads.append(BlockTransfer(rid, ids, list(request.block_hashes[first : first + len(ids)])))

@@ -37,7 +37,8 @@ class RecordingConnector(KVConnectorBase):
     * ``get_num_new_matched_tokens``: ``req_id``, ``num_computed_tokens``, ``result`` ``(tokens, is_async)``;
     * ``update_state_after_alloc``: ``req_id``, ``block_ids`` (the whole block table), ``num_external_tokens``;
     * ``build_connector_meta``: ``new`` / ``cached`` / ``resumed`` request ids of the ``SchedulerOutput``,
-      ``num_scheduled_tokens``, and ``meta`` (the returned metadata's ``describe()``);
+      ``num_scheduled_tokens``, ``meta`` (the returned metadata's ``describe()``) and ``load_block_ids`` (the
+      block ids of each synchronous load, for a metadata with ``loads`` such as ``OffloadConnectorMetadata``);
     * ``request_finished``: ``req_id``, ``block_ids``;
     * ``save_kv_layer``: ``layer``; ``get_finished``: ``finished_sending``, ``finished_recving`` (sorted lists).
 
@@ -100,6 +101,7 @@ class RecordingConnector(KVConnectorBase):
             resumed=[r for r in c.req_ids if r in c.resumed_req_ids],
             num_scheduled_tokens=dict(scheduler_output.num_scheduled_tokens),
             meta=_describe(meta),
+            load_block_ids={t.req_id: list(t.block_ids) for t in getattr(meta, "loads", None) or []},
         )
         return meta
 

@@ -51,7 +51,7 @@ EXERCISE_STARS = {
     ("06", "predicted_victim"): 1, ("06", "predicted_resume"): 1, ("06", "predicted_gate"): 1,
     ("06", "RunningLoop"): 2, ("06", "Preemption"): 3,
     ("07", "PrefixCacheLookup"): 2, ("07", "predicted_hit"): 1, ("07", "predicted_same_preemptions"): 1,
-    ("08", "FixedConnector"): 3,
+    ("08", "FixedConnector"): 3, ("08", "predicted_loads"): 1,
 }
 ROUND_TO = 5
 TOLERANCE_MIN = 5

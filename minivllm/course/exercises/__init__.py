@@ -16,7 +16,7 @@ Notebook 05 (chunked prefill): ``check_predict_chunks``; ``check_chunk_predictio
     a resumed request and a new one; ``show_shared_budget`` prints the state it starts from).
 Notebook 06 (preemption): none here; its exercises are engine parts (``minivllm.course.learner.lesson06``).
 Notebook 07 (prefix caching): none here; its exercise is an engine part (``minivllm.course.learner.lesson07``).
-Notebook 08 (KV connectors): ``check_fixed_connector`` (the buggy connector's three failing scenarios).
+Notebook 08 (KV connectors): its exercise is an engine part, checked by ``minivllm.course.learner.lesson08``.
 The worked solutions are out of the main flow: 01-03 in ``notebooks/solutions/part1_foundations_solutions.ipynb``,
 04-08 in ``notebooks/solutions/part2_scheduler_solutions.ipynb``. The cells of 01-03 that build on an exercise take
 ``use_yours_or_reference(yours, fallback.name, check_x)``: the learner's function when it passes its checker, else
@@ -28,7 +28,6 @@ from minivllm.course.exercises._harness import ExerciseFailed, use_yours_or_refe
 from minivllm.course.exercises._reference import one_request_metadata, split_layer_weights
 from minivllm.course.exercises.batching import check_static_batching
 from minivllm.course.exercises.chunks import check_chunk_prediction, check_predict_chunks, show_shared_budget
-from minivllm.course.exercises.connector import check_fixed_connector
 from minivllm.course.exercises.generation import check_greedy_generate
 from minivllm.course.exercises.kv_cache import check_cached_attention, check_kv_cache
 from minivllm.course.exercises.layers import (
@@ -45,7 +44,6 @@ __all__ = [
     "check_cached_attention",
     "check_chunk_prediction",
     "check_decoder_layer",
-    "check_fixed_connector",
     "check_gather_kv",
     "check_gqa_attention",
     "check_greedy_generate",
