@@ -468,3 +468,16 @@ register(Part(
     writes="the load decision: ask, record at alloc, emit and clear",
     check=check_fixed_connector, hints=HINTS, reference=_reference_connector(),
 ))
+
+
+def engine_kwargs(chosen: Dict[str, Any]) -> Dict[str, Any]:
+    """``your_engine``'s hook: the chosen connector class (the learner's ``FixedConnector`` or the reference
+    ``OffloadConnector``), built for the engine's block size and plugged in as ``kv_connector``; saves and loads go
+    to CPU memory."""
+    cls = chosen.get("fixed_connector")
+    if cls is None:
+        return {}
+    return {"kv_connector": cls(block_size=YOUR_ENGINE_BLOCK_SIZE), "block_size": YOUR_ENGINE_BLOCK_SIZE}
+
+
+YOUR_ENGINE_BLOCK_SIZE = 16  # the engine's default block size (EngineArgs.block_size)
