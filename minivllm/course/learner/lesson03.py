@@ -26,7 +26,6 @@ writes with ``reshape_and_cache_flash`` and reads the blocks inside one kernel f
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Sequence, Tuple, Type
 
@@ -45,14 +44,13 @@ from minivllm.attention.paged_attention import write_kv_cache
 from minivllm.course.exercises import fallback, paged
 from minivllm.course.exercises._harness import (
     ExerciseFailed,
-    Variant,
     _NotWrittenYet,
     call,
     check_cases,
     compare_tensors,
     fail,
 )
-from minivllm.course.exercises._reference import attention_ref, one_request_metadata
+from minivllm.course.exercises._reference import one_request_metadata
 from minivllm.course.learner.parts import NotWritten, Part, PartFailed, register
 from minivllm.worker.block_table import compute_slot_mapping
 
@@ -73,6 +71,11 @@ def _legacy(checker: Callable, fn: Any, name: str) -> int:
         raise PartFailed(str(e)) from None
 
 
+#: Shown with a failed hidden case that matches no known mistake.
+HIDDEN_HINT = ("the hidden cases use other block sizes, head counts and head sizes: take them from kv_cache.shape and "
+               "k.shape (or q.shape), not from the notebook's examples.")
+
+
 def _hidden(check: Callable[[], int], name: str) -> int:
     """Run hidden cases built with the harness (``call``, ``fail``, ``check_cases``), mapping its signals."""
     try:
@@ -82,7 +85,10 @@ def _hidden(check: Callable[[], int], name: str) -> int:
     except PartFailed:
         raise
     except ExerciseFailed as e:
-        raise PartFailed(f"(a hidden case: one the notebook does not show)\n{e}") from None
+        msg = str(e)
+        if "Hint:" not in msg:
+            msg += "\n  Hint: " + HIDDEN_HINT
+        raise PartFailed(f"(a hidden case: one the notebook does not show)\n{msg}") from None
 
 
 # ---- slot_mapping ---------------------------------------------------------------------------------------------
@@ -225,8 +231,8 @@ def check_write_kv(fn: Any, hidden: bool = True) -> int:
 # ---- gather_kv --------------------------------------------------------------------------------------------------
 #: (description, num_blocks, block_size, kv_heads, head_dim, block_table, seq_len)
 GATHER_HIDDEN = [
-    ("block_table=[4, 0, 2, 6, 6] (padded with the scratch block 6), seq_len=17, block_size=8, 1 KV head",
-     6, 8, 1, 4, [4, 0, 2, 6, 6], 17),
+    ("block_table=[4, 0, 2, 5, 5] (padded with the cache's last block, 5, as the engine pads with its scratch "
+     "block), seq_len=17, block_size=8, 1 KV head", 6, 8, 1, 4, [4, 0, 2, 5, 5], 17),
     ("block_table=[2, 1], seq_len=32 (two full blocks), block_size=16, 3 KV heads", 3, 16, 3, 8, [2, 1], 32),
     ("block_table=[3, 5, 0, 1], seq_len=3, block_size=1, 2 KV heads", 6, 1, 2, 2, [3, 5, 0, 1], 3),
 ]
@@ -286,46 +292,7 @@ ATTENTION_HIDDEN = [
 ]
 
 
-def _untrimmed(q, cache, bt, n):
-    """Keeps every row of the blocks it reads, past ``num_computed + T`` (a mistake)."""
-    t, bs = q.shape[0], cache.shape[2]
-    nblk = -(-(n + t) // bs)
-    k = cache[0, bt[:nblk]].reshape(nblk * bs, *cache.shape[3:])
-    v = cache[1, bt[:nblk]].reshape(nblk * bs, *cache.shape[3:])
-    return attention_ref(q, k, v, nblk * bs - t)
-
-
-def _no_context(q, cache, bt, n):
-    """Attends over this step's own ``T`` keys only, not the context (a mistake)."""
-    t = q.shape[0]
-    k, v = _package_gather_kv(cache, bt, n + t)
-    return attention_ref(q, k[n:], v[n:], 0)
-
-
-def _scaled(scale_of_d: Callable[[int], float]):
-    def run(q, cache, bt, n):
-        k, v = _package_gather_kv(cache, bt, n + q.shape[0])
-        return attention_ref(q, k, v, n, scale=scale_of_d(q.shape[2]))
-    return run
-
-
-ATTENTION_VARIANTS = [
-    Variant(lambda q, c, b, n: paged._paged_variant(q, c, b, n, gather="range"),
-            "read the blocks listed in block_table (block_table[p // block_size]), not blocks 0, 1, 2, ..."),
-    Variant(lambda q, c, b, n: paged._paged_variant(q, c, b, n, mask="top_left"),
-            "row i of q is position num_computed + i: it sees keys 0..num_computed + i (shift the causal mask's "
-            "diagonal right by num_computed)."),
-    Variant(lambda q, c, b, n: paged._paged_variant(q, c, b, n, mask="none"),
-            "apply the causal mask: in a prefill or chunk, row i must not see keys after num_computed + i."),
-    Variant(lambda q, c, b, n: paged._paged_variant(q, c, b, n, head_map="repeat"),
-            "query head j uses KV head j // (num_heads // num_kv_heads): repeat_interleave, not repeat."),
-    Variant(_untrimmed, "keep only the first num_computed + T keys and values: the rest of the last block is "
-                        "another request's data or garbage."),
-    Variant(_no_context, "attend over all num_computed + T keys (the context in the cache and this step's), not "
-                         "only this step's T."),
-    Variant(_scaled(lambda d: 1.0), "scale the scores by 1 / sqrt(head_dim)."),
-    Variant(_scaled(lambda d: 1.0 / d), "the scale is 1 / sqrt(head_dim), not 1 / head_dim."),
-]
+ATTENTION_VARIANTS = paged.PAGED_VARIANTS
 
 
 def _attention_cases() -> List[tuple]:
@@ -346,8 +313,8 @@ def check_paged_attention(fn: Any, hidden: bool = True) -> int:
     differing entry and, when the answer equals a known mistake (``ATTENTION_VARIANTS``), what it is."""
     n = _legacy(paged.check_paged_attention, fn, "paged_attention")
     if hidden:
-        general = ("gather this request's keys and values in position order, keep num_computed + T of them, then "
-                   "attend as in cached_attention (1 / sqrt(head_dim), the mask shifted by num_computed, "
+        general = (HIDDEN_HINT + " Otherwise: gather this request's keys and values in position order, keep "
+                   "num_computed + T of them, then attend as in cached_attention (1 / sqrt(head_dim), the mask shifted by num_computed, "
                    "repeat_interleave for grouped-query heads).")
         n += _hidden(lambda: check_cases("paged_attention", fn, _attention_cases(), ATTENTION_VARIANTS,
                                          general_hint=general), "paged_attention")
