@@ -205,3 +205,33 @@ def test_every_exercise_cell_of_03_is_a_registered_part():
     assert found == list(PARTS)
     for c in cells.exercise_cells(str(BLANK)):
         assert "raise NotImplementedError  # your code here" in c.source
+
+
+# ---- the picture: block tables as maps from logical to physical blocks ------------------------------------------
+def test_the_block_table_map_draws_one_arrow_per_block_table_entry():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.viz.block_table_map import block_table_arrows, draw_block_table_map
+
+    engine = TracedLLMEngine("tiny", num_gpu_blocks=24, block_size=4, enable_prefix_caching=False)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    engine.add_request("A", list(range(1, 11)), greedy)
+    engine.add_request("B", list(range(20, 26)), greedy)
+    engine.run_to_completion()
+    record = next(r for r in engine.trace if {"A", "B"} <= set(r.requests))
+    fig, ax = plt.subplots()
+    arrows = draw_block_table_map(record, 4, ax=ax)
+    tables = {rid: r.block_ids for rid, r in record.requests.items()}
+    assert arrows == [(rid, i, b) for rid in tables for i, b in enumerate(tables[rid])]
+    assert sum(len(t) for t in tables.values()) == len(arrows) >= 3
+    assert len([c for c in ax.get_children() if isinstance(c, matplotlib.text.Annotation)]) == len(arrows)
+    plt.close(fig)
+    assert block_table_arrows(record, ["B"]) == [("B", i, b) for i, b in enumerate(tables["B"])]
+    with pytest.raises(KeyError, match="request 'Z' is not in step"):
+        block_table_arrows(record, ["Z"])
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        draw_block_table_map(record, 0)

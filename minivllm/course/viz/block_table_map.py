@@ -20,7 +20,7 @@ def block_table_arrows(record: StepRecord, request_ids: Optional[Sequence[str]] 
     """``(request id, logical block, physical block)`` for every block-table entry of ``request_ids`` (default: every
     request holding blocks at that step, in the record's order). Raises ``KeyError`` naming an unknown request."""
     ids = [rid for rid, r in record.requests.items() if r.block_ids] if request_ids is None else list(request_ids)
-    out = []
+    out: List[Tuple[str, int, int]] = []
     for rid in ids:
         if rid not in record.requests:
             raise KeyError(f"request {rid!r} is not in step {record.step}; it has {sorted(record.requests)}")
