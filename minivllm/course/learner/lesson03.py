@@ -441,7 +441,7 @@ register(Part(
 
 register(Part(
     name="gather_kv", lesson=LESSON, symbol="gather_kv", kind="attention",
-    seam=SEAM + ", the read inside paged_attention",
+    seam="attention_backend: not called by the learner backend itself; paged_attention repeats this read inside",
     writes="read one request's first seq_len keys and values back through its block table",
     check=check_gather_kv, reference=fallback.gather_kv,
     hints=("The request's seq_len tokens fill its first ceil(seq_len / block_size) blocks; the rest of block_table "
