@@ -21,9 +21,6 @@ QUESTION = re.compile(r"^\*\*(\d+)\. (.+)\*\*$", re.M)
 ANSWER = re.compile(r"\A\s*<details><summary>Answer</summary>\n(.+?)</details>\s*\Z", re.S)
 MIN_QUESTIONS, MAX_QUESTIONS = 3, 5
 
-# Notebooks whose quiz is written on another branch of issue 26. The test below fails as soon as one of them has a
-# quiz: then delete it from this set, so that its quiz is checked too.
-NOT_YET = {"03_paged_kv_blocks"}
 
 
 def _src(cell):
@@ -61,18 +58,10 @@ def quiz_problems(cells):
     return problems
 
 
-@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if p.stem not in NOT_YET], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_every_notebook_ends_with_a_quiz_with_folded_answers(path):
     cells = json.loads(path.read_text(encoding="utf-8"))["cells"]
     assert quiz_problems(cells) == [], path.name
-
-
-def test_not_yet_lists_only_notebooks_without_a_quiz():
-    assert NOT_YET <= {p.stem for p in NOTEBOOKS}, NOT_YET
-    for stem in sorted(NOT_YET):
-        cells = json.loads((ROOT / "notebooks" / f"{stem}.ipynb").read_text(encoding="utf-8"))["cells"]
-        assert not any(_src(c).startswith(HEADING) for c in cells), (
-            f"{stem} has a quiz now: delete it from NOT_YET in {Path(__file__).name}")
 
 
 def _md(text):

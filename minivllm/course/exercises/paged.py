@@ -175,6 +175,49 @@ def _paged_variant(q, cache, bt, n, *, gather="table", mask="bottom_right", head
     return attention_ref(q, k, v, n, mask=mask, head_map=head_map)
 
 
+def _untrimmed(q, cache, bt, n):
+    """Keeps every row of the blocks it reads, past ``num_computed + T``, with the mask aligned to the last row."""
+    t, bs = q.shape[0], cache.shape[2]
+    nblk = -(-(n + t) // bs)
+    k = cache[0, bt[:nblk]].reshape(nblk * bs, *cache.shape[3:])
+    v = cache[1, bt[:nblk]].reshape(nblk * bs, *cache.shape[3:])
+    return attention_ref(q, k, v, nblk * bs - t)
+
+
+def _no_context(q, cache, bt, n):
+    """Attends over this step's own ``T`` keys only, not the context."""
+    t = q.shape[0]
+    k, v = gather_kv(cache, bt, n + t)
+    return attention_ref(q, k[n:], v[n:], 0)
+
+
+def _scaled(scale_of_d: Callable[[int], float]) -> Callable:
+    def run(q, cache, bt, n):
+        k, v = gather_kv(cache, bt, n + q.shape[0])
+        return attention_ref(q, k, v, n, scale=scale_of_d(q.shape[2]))
+    return run
+
+
+#: Known mistakes of paged attention and their hints, tried in order (also used by lesson 03's hidden cases).
+PAGED_VARIANTS = [
+    Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, gather="range"),
+            "read the blocks listed in block_table (block_table[p // block_size]), not blocks 0, 1, 2, ..."),
+    Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="top_left"),
+            "row i of q is position num_computed + i: it sees keys 0..num_computed + i (shift the causal "
+            "mask's diagonal right by num_computed)."),
+    Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="none"),
+            "apply the causal mask: in a prefill or chunk, row i must not see keys after num_computed + i."),
+    Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, head_map="repeat"),
+            "query head j uses KV head j // (num_heads // num_kv_heads): repeat_interleave, not repeat."),
+    Variant(_untrimmed, "keep only the first num_computed + T keys and values: the rest of the last block is "
+                        "another request's data or garbage."),
+    Variant(_no_context, "attend over all num_computed + T keys (the context in the cache and this step's), not "
+                         "only this step's T."),
+    Variant(_scaled(lambda d: 1.0), "scale the scores by 1 / sqrt(head_dim)."),
+    Variant(_scaled(lambda d: 1.0 / d), "the scale is 1 / sqrt(head_dim), not 1 / head_dim."),
+]
+
+
 @checker("paged_attention")
 def check_paged_attention(fn: Callable) -> int:
     """Check ``fn(q, kv_cache, block_table, num_computed) -> out``: attention of one request through its blocks.
@@ -204,17 +247,7 @@ def check_paged_attention(fn: Callable) -> int:
         table = torch.tensor(bt)
         md = one_request_metadata(bt, n, t, 4)
         cases.append((desc, (q, cache, table, n), reference_paged_attention(q, cache, md, 1.0 / math.sqrt(d))))
-    variants = [
-        Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, gather="range"),
-                "read the blocks listed in block_table (block_table[p // block_size]), not blocks 0, 1, 2, ..."),
-        Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="top_left"),
-                "row i of q is position num_computed + i: it sees keys 0..num_computed + i (shift the causal "
-                "mask's diagonal right by num_computed)."),
-        Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="none"),
-                "apply the causal mask: in a prefill or chunk, row i must not see keys after num_computed + i."),
-        Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, head_map="repeat"),
-                "query head j uses KV head j // (num_heads // num_kv_heads): repeat_interleave, not repeat."),
-    ]
+    variants = PAGED_VARIANTS
     general = ("gather this request's keys and values in position order (your gather_kv), keep num_computed + T "
                "of them, then attend as in cached_attention.")
     return check_cases("paged_attention", fn, cases, variants, general_hint=general)
