@@ -463,3 +463,13 @@ register(Part(
            "scores = torch.einsum('qhd,khd->hqk', q, k) / D ** 0.5; "
            "out = torch.einsum('hqk,khd->qhd', scores.masked_fill(~allowed, float('-inf')).softmax(-1), v)"),
 ))
+
+
+def engine_kwargs(chosen: Dict[str, Any]) -> Dict[str, Any]:
+    """``your_engine``'s hook: the chosen ``slot_mapping``, ``write_kv`` and ``paged_attention`` (the learner's or
+    the reference's, each on its own) as one attention backend, ``attention_backend=``. (``gather_kv`` runs inside
+    the learner's ``paged_attention`` when it calls it; the backend does not call it directly.)"""
+    if not {"slot_mapping", "write_kv", "paged_attention"} <= set(chosen):
+        return {}
+    return {"attention_backend": learner_attention_backend(chosen["slot_mapping"], chosen["write_kv"],
+                                                           chosen["paged_attention"])}

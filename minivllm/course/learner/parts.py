@@ -155,13 +155,14 @@ def _show_hints(part: Part) -> None:
 
 
 def yours_or_reference(name: str, obj: Any) -> Any:
-    """What the notebook's later cells should run: the learner's ``obj`` when it passes its checker (the
-    notebook's workloads only, to stay quick), else the part's reference; prints which, the same line on every run.
+    """What the notebook's later cells should run: the learner's ``obj`` when it passes its checker (hidden cases
+    included: a part that passes only the notebook's cases, say with the notebook's block size written in, must not
+    reach the engine), else the part's reference; prints which, the same line on every run.
 
     So every notebook runs top to bottom with its exercises blank, and shows the same results either way.
     """
     part = get(name)
-    status, _msg = run_check(part, obj, hidden=False)
+    status, _msg = run_check(part, obj, hidden=True)
     if status == "passed":
         print(f"{name}: yours passes its checker, so the engine below runs yours ({part.symbol})")
         return obj

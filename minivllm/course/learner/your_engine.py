@@ -64,7 +64,7 @@ def _symbols_from_notebooks(folder: Optional[str], solutions: bool) -> Dict[str,
     return found
 
 
-def assemble(source: Any = "notebooks", folder: Optional[str] = None, hidden: bool = False,
+def assemble(source: Any = "notebooks", folder: Optional[str] = None, hidden: bool = True,
              verbose: bool = True) -> Chosen:
     """Choose each part: the learner's when it passes its checker, else the reference.
 
@@ -72,7 +72,7 @@ def assemble(source: Any = "notebooks", folder: Optional[str] = None, hidden: bo
         source: ``"notebooks"`` (the learner's saved lesson notebooks), ``"solutions"`` (notebooks/solutions/), or
             a dict part name -> object.
         folder: the notebooks folder (default: found from the working directory).
-        hidden: also run the hidden workloads before trusting a part (the grader does; slower).
+        hidden: also run the hidden workloads before trusting a part (as the grader does).
         verbose: print the table of what runs.
     """
     if isinstance(source, dict):
