@@ -1,6 +1,6 @@
 """Lecture slides from the notebooks: the slide-type rule, and the offline reveal.js export.
 
-Every course notebook (``SLIDE_NOTEBOOKS``, 00-12, grouped as the guide's lectures in ``LECTURES``) carries
+Every course notebook (``SLIDE_NOTEBOOKS``, 00-13, grouped as the guide's lectures in ``LECTURES``) carries
 ``metadata.slideshow.slide_type`` on every cell, as
 JupyterLab's property inspector, RISE (``jupyterlab-rise``) and nbconvert's ``SlidesExporter`` read it. The
 metadata is not written by hand: ``slide_types`` derives it from the cells, so it can be re-applied after anyone
@@ -61,7 +61,7 @@ LECTURES = (
     ("02_kv_cache", "03_paged_kv_blocks"),
     ("04_continuous_batching", "05_chunked_prefill"),
     ("06_preemption", "07_prefix_caching"),
-    ("08_kv_connector",),
+    ("08_kv_connector", "13_your_engine"),
     ("09_performance", "10_faq"),
     ("11_serving", "12_tensor_parallel"),
 )

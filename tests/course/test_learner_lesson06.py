@@ -284,3 +284,40 @@ def test_the_solutions_hand_the_settings_they_do_not_teach_to_the_reference():
     for w in workloads:
         w["extra_engine_kwargs"]["vllm_release"] = "0.33"
         assert compare.run_steps(w, mine) == compare.run_steps(w), w["name"]
+
+
+def _solution_source(part):
+    import json
+    from pathlib import Path
+
+    nb = json.loads((Path(__file__).parents[2] / "notebooks/solutions/06_preemption_solutions.ipynb").read_text())
+    return next("".join(c["source"]) for c in nb["cells"] if "".join(c["source"]).startswith(f"# Your turn: {part}"))
+
+
+def test_a_running_loop_that_sends_the_whole_table_fails_on_the_blocks_sent():
+    """Found by a fresh learner: the whole block table (04's habit) instead of the blocks just allocated passed,
+    and the engine then failed in 8c. The cached requests' block ids are compared now."""
+    from minivllm.course.learner import parts
+
+    src = _solution_source("running_loop")
+    good = "step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]"
+    assert good in src
+    ns = {}
+    exec(src.replace(good, "step.new_block_ids[request.request_id] = "
+                           "self.kv_cache_manager.get_block_ids(request.request_id)"), ns)
+    status, msg = parts.run_check(parts.get("running_loop"), ns["RunningLoop"])
+    assert status == "failed"
+    assert "first difference: step 1, field cached_new_block_ids, request A" in msg
+    assert 'expected: {"A": [6], "B": [7], "C": [8]}' in msg
+
+
+def test_a_running_loop_without_block_ids_is_told_which_entry_is_missing():
+    from minivllm.course.learner import parts
+
+    src = _solution_source("running_loop")
+    ns = {}
+    exec(src.replace("            step.new_block_ids[request.request_id] = [b.block_id for b in new_blocks]\n", ""),
+         ns)
+    status, msg = parts.run_check(parts.get("running_loop"), ns["RunningLoop"])
+    assert status == "failed" and "KeyError: 'A'" in msg
+    assert "request 'A' was scheduled" in msg and "no entry in step.new_block_ids" in msg

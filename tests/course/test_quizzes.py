@@ -1,5 +1,5 @@
 """Every notebook ends with a quiz (issue 26: "Quizzes ('check your understanding', hidden answers) in every notebook
-00-12"), checked in milliseconds: its form, not its content (each answer is checked by hand against the notebook's
+00-13"), checked in milliseconds: its form, not its content (each answer is checked by hand against the notebook's
 own outputs when it is written).
 
 A quiz is one markdown cell that starts with ``## Check your understanding``, holds 3-5 numbered questions

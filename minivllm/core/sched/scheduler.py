@@ -446,7 +446,7 @@ class Scheduler:
 
     def _schedule_waiting(self, step: SchedulerStep) -> None:
         """The waiting loop: admit waiting requests in queue order (vLLM's "Next, schedule the WAITING requests",
-        `v0.32.0 L900-L1401 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L900>`_;
+        `v0.32.0 L899-L1401 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L899>`_;
         `v0.33.0 L1050-L1616 <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/sched/scheduler.py#L1050>`_).
 
         While the queue is not empty, budget is left and fewer than ``max_num_seqs`` requests run: peek at the

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import random
+import textwrap
+import traceback
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -22,8 +24,16 @@ from minivllm.bench.vllm_check.compare import STEP_FIELDS
 
 # The fields of a step record compared here, in the order a learner reads them (what was scheduled first).
 COMPARED_FIELDS = ("num_scheduled_tokens", "new", "resumed", "cached", "preempted", "num_computed_at_admission",
-                   "waiting", "running", "num_free_blocks", "new_block_ids", "finished")
-assert set(COMPARED_FIELDS) - {"new_block_ids"} <= set(STEP_FIELDS)
+                   "waiting", "running", "num_free_blocks", "new_block_ids", "cached_new_block_ids", "finished")
+assert set(COMPARED_FIELDS) - {"new_block_ids", "cached_new_block_ids"} <= set(STEP_FIELDS)
+
+# What each compared field means, printed under a side-by-side step (the learner reads the grader's words).
+FIELD_LEGEND = (
+    "cached = running requests scheduled in this step (vLLM's CachedRequestData), not the prefix cache; "
+    "num_computed_at_admission = tokens already computed (the prefix-cache hit) of each new or resumed request; "
+    "new_block_ids = the block table sent for each new request; cached_new_block_ids = the blocks sent for each "
+    "cached request: those allocated in this step, or a resumed request's whole table"
+)
 
 
 def workload(name: str, engine: Dict[str, Any], requests: Sequence[tuple], shows: str = "",
@@ -96,8 +106,9 @@ def describe(w: Dict[str, Any]) -> str:
             "enable_chunked_prefill", "scheduling_policy", "watermark")
     kw = ", ".join(f"{k}={e[k]}" for k in keys if k in e)
     reqs = ", ".join(f"{r['id']}: {len(r['prompt_token_ids'])}+{r['sampling']['max_tokens']}"
-                     f"@{r.get('arrive_at_step', 0)}" for r in w["requests"])
-    return f"{w['name']!r} ({kw}; requests prompt+output@arrival step: {reqs})"
+                     f"@{r.get('arrive_at_step', 0)}" + (f" p{r['priority']}" if "priority" in r else "")
+                     for r in w["requests"])
+    return f"{w['name']!r} ({kw}; requests prompt+output@arrival step[ priority]: {reqs})"
 
 
 def run_steps(w: Dict[str, Any], scheduler_cls: Optional[type] = None, with_connector: bool = False,
@@ -146,6 +157,7 @@ class Difference:
                 b = _view(got_step, f)
                 mark = "≠ " if a != b else "  "
                 lines.append(f"  {mark}{f:<27}{json.dumps(a):<44}{json.dumps(b)}")
+            lines.append(textwrap.fill(FIELD_LEGEND, 116, initial_indent="  (", subsequent_indent="   ") + ")")
         return "\n".join(lines)
 
 
@@ -222,7 +234,7 @@ def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workl
         except NotImplementedError:
             raise NotWritten(f"{cls.__name__} still raises NotImplementedError") from None
         except Exception as e:  # noqa: BLE001 - the learner's error is reported with its workload
-            raise PartFailed(f"{part_name}: your {cls.__name__} raised {type(e).__name__}: {e}\n"
+            raise PartFailed(f"{part_name}: your {cls.__name__} raised {type(e).__name__}: {e}{_explain(e)}\n"
                              f"  on workload {describe(w)}") from None
         d = first_difference(expected, got, fields)
         if d is not None:
@@ -231,3 +243,13 @@ def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workl
             raise PartFailed(f"on workload {describe(w)}\n{d.format(e_step, g_step)}")
         n += 1
     return n
+
+
+def _explain(e: BaseException) -> str:
+    """A sentence for an engine error that a learner's part causes elsewhere (the traceback ends in the engine's
+    code, not in the learner's)."""
+    frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
+    if isinstance(e, KeyError) and ("_make_cached_request_data" in frames or "_build_scheduler_output" in frames):
+        return (f"\n  request {e.args[0]!r} was scheduled (it is in step.running_scheduled, step.new_reqs or "
+                "step.resumed_reqs) but has no entry in step.new_block_ids: record the block ids sent for it")
+    return ""

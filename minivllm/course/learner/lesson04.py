@@ -2,7 +2,7 @@
 
 The learner's exercise cell (notebook 04, ``# Your turn: waiting_loop``) defines ``WaitingLoop``, a ``Scheduler``
 subclass that overrides ``_schedule_waiting`` only, vLLM's "Next, schedule the WAITING requests"
-(`v0.32.0 L900-L1401 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L900>`_).
+(`v0.32.0 L899-L1401 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/core/sched/scheduler.py#L899>`_).
 The learner writes the loop condition (queue not empty, budget left, fewer than ``max_num_seqs`` running), the peek
 at the head, the no-fit ``break`` (head of line: nothing overtakes the first request that does not fit), the
 allocation with the whole-prompt check (``allocate_slots(..., full_sequence_must_fit=
