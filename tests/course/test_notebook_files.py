@@ -39,6 +39,15 @@ def _stdout(cell):
     return "".join("".join(o.get("text", "")) for o in cell.get("outputs", []))
 
 
+def _exercise_output(cells, i):
+    """What the checker printed for the exercise in cell ``i``: its own output, or, for an engine part's cell
+    (``# Your turn: <part>``, issue 26: the cell only defines the part), the next code cell's (its ``check``)."""
+    if not _src(cells[i]).startswith("# Your turn:"):
+        return _stdout(cells[i])
+    nxt = next((c for c in cells[i + 1:] if c["cell_type"] == "code"), None)
+    return _stdout(nxt) if nxt is not None else ""
+
+
 COURSE = [p for p in NOTEBOOKS if "solutions" not in p.parts]
 SOLUTIONS = [p for p in NOTEBOOKS if "solutions" in p.parts]
 
@@ -56,13 +65,14 @@ def test_exercises_are_stubs_and_solutions_are_elsewhere(path):
         if c["cell_type"] == "code":
             assert "✓" not in _stdout(c), f"{path.name}: cell {i} prints ✓: a solution ran in the notebook"
         if is_exercise(c):
-            out = _stdout(c)
+            out = _exercise_output(cells, i)
             assert "not written yet" in out or "not done yet" in out, f"{path.name}: exercise cell {i} says {out!r}"
     solved = {}
     for p in SOLUTIONS:
-        for c in json.loads(p.read_text(encoding="utf-8"))["cells"]:
+        sol_cells = json.loads(p.read_text(encoding="utf-8"))["cells"]
+        for k, c in enumerate(sol_cells):
             for name in re.findall(r"^(?:def|class) (\w+)", _src(c), flags=re.M):
-                solved[name] = _stdout(c)
+                solved[name] = _exercise_output(sol_cells, k)
     for name in exercise_names(cells):
         assert name in solved, f"{path.name}: no worked solution of {name} in notebooks/solutions/"
         assert solved[name].startswith("✓ "), f"{path.name}: the solution of {name} does not pass: {solved[name]!r}"
