@@ -158,10 +158,11 @@ def test_query_start_loc_without_the_leading_zero_fails():
 
 
 # ------------------------------------------------------------------------------------------- in the engine
-def _tiny_tokens(flatten=None):
+def _tiny_tokens(flatten=None, **engine_kwargs):
     from minivllm import LLMEngine, SamplingParams
 
-    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, enable_prefix_caching=False)
+    eng = LLMEngine("tiny", block_size=4, num_gpu_blocks=40, max_num_batched_tokens=16, enable_prefix_caching=False,
+                    **engine_kwargs)
     if flatten is not None:
         lesson05.use_flatten_batch(eng, flatten)
     for i, n in enumerate((23, 9, 14)):
@@ -177,6 +178,13 @@ def test_the_learners_batch_runs_in_the_engine():
     wrong = _variant("flattened_batch", "for p in range(context, context + n):",
                      "for p in range(context, context + n):\n            p = p - context", "flatten_batch")
     assert _tiny_tokens(wrong) != reference
+
+
+@pytest.mark.parametrize("engine_kwargs", [{"model_runner": "v2"}, {"async_scheduling": True}],
+                         ids=["model-runner-v2", "async-scheduling"])
+def test_the_learners_batch_runs_under_both_runners_and_async(engine_kwargs):
+    solution = _define(_source(SOLUTIONS, "flattened_batch"), "flatten_batch")
+    assert _tiny_tokens(solution, **engine_kwargs) == _tiny_tokens(**engine_kwargs)
 
 
 def test_the_engine_refuses_a_batch_that_does_not_fit_the_step():
