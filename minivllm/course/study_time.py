@@ -48,7 +48,7 @@ EXERCISE_STARS = {
     ("03", "slot_mapping"): 1, ("03", "write_kv"): 1, ("03", "gather_kv"): 2, ("03", "paged_attention"): 3,
     ("04", "static_batching"): 2,
     ("05", "predict_chunks"): 2, ("05", "predicted"): 2, ("05", "ChunkSizing"): 2, ("05", "flatten_batch"): 2,
-    ("05", "predicted_chunks"): 1, ("05", "predicted_threshold"): 1, ("05", "predicted_batch"): 1,
+    ("05", "predicted_returns"): 1, ("05", "predicted_threshold"): 1, ("05", "predicted_batch"): 1,
     ("06", "resume_cost"): 1, ("06", "schedule_step"): 3,
     ("07", "longest_cache_hit"): 2, ("07", "resume_cost"): 2,
     ("08", "FixedConnector"): 3,
