@@ -146,7 +146,27 @@ def test_every_readme_command_is_checked():
     for block in _blocks("bash"):
         for line in block.splitlines():
             cmd = line.split("#")[0].strip()
-            assert not cmd or cmd.startswith(".venv/bin/python -m minivllm ") or cmd in NOT_RUN, line
+            assert (not cmd or cmd.startswith(".venv/bin/python -m minivllm ") or cmd in NOT_RUN
+                    or cmd.startswith("./course.sh grade")), line
+
+
+def _grade_lines():
+    """The argument lists of the README's ``./course.sh grade ...`` lines."""
+    return [line.split("#")[0].split()[2:] for block in _blocks("bash") for line in block.splitlines()
+            if line.startswith("./course.sh grade")]
+
+
+def test_readme_grade_lines():
+    """``./course.sh grade [args]`` is ``python -m minivllm.course.grade [args]`` after the install: on the committed
+    notebooks (every exercise blank) each README line prints the table, says what is blank, and exits 1."""
+    lines = _grade_lines()
+    assert lines, "the README shows no ./course.sh grade line"
+    for args in lines:
+        env = dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1")
+        r = subprocess.run([sys.executable, "-m", "minivllm.course.grade", *args], cwd=ROOT, env=env,
+                           capture_output=True, text=True, timeout=TIMEOUT_S)
+        assert r.returncode == 1, (args, r.stdout, r.stderr[-2000:])
+        assert "· blank" in r.stdout and "passed" in r.stdout and "In all: 0 of" in r.stdout, (args, r.stdout)
 
 
 @pytest.mark.parametrize("args,comment", _cli_lines(), ids=lambda x: x[0] if isinstance(x, list) else "")

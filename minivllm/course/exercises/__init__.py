@@ -17,8 +17,8 @@ Notebook 05 (chunked prefill): ``check_predict_chunks``; ``check_chunk_predictio
 Notebook 06 (preemption): none here; its exercises are engine parts (``minivllm.course.learner.lesson06``).
 Notebook 07 (prefix caching): none here; its exercise is an engine part (``minivllm.course.learner.lesson07``).
 Notebook 08 (KV connectors): its exercise is an engine part, checked by ``minivllm.course.learner.lesson08``.
-The worked solutions are out of the main flow: 01-03 in ``notebooks/solutions/part1_foundations_solutions.ipynb``,
-04-08 in ``notebooks/solutions/part2_scheduler_solutions.ipynb``. The cells of 01-03 that build on an exercise take
+The worked solutions are out of the main flow: 01-02 in ``notebooks/solutions/01_02_foundations_solutions.ipynb``,
+each of 03-08 in its own notebook there. The cells of 01-03 that build on an exercise take
 ``use_yours_or_reference(yours, fallback.name, check_x)``: the learner's function when it passes its checker, else
 the package's own (``minivllm.course.exercises.fallback``).
 """
