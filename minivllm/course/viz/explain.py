@@ -143,6 +143,10 @@ def _ids(xs) -> str:
     return " ".join(xs) if xs else "(none)"
 
 
+def _are(n: int) -> str:
+    return f"{n} is" if n == 1 else f"{n} are"
+
+
 def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
     start = running_at_start(trace, k)
     victims = [r for r in start if r in s.preempted] + [r for r in s.preempted if r not in start]
@@ -248,7 +252,7 @@ def _head(s: StepRecord) -> Optional[Reason]:
                       f"tokens scheduled)")
     if s.max_num_seqs and len(s.running) >= s.max_num_seqs:
         return Reason("not_admitted", rid, "max_num_seqs",
-                      f"{rid} not admitted: {len(s.running)} requests run, max_num_seqs = {s.max_num_seqs}")
+                      f"{rid} not admitted: {_are(len(s.running))} running, max_num_seqs = {s.max_num_seqs}")
     if h.num_new_tokens is None:
         return Reason("not_admitted", rid, "no_chunking",
                       f"{rid} not admitted: its {h.num_tokens - h.num_hit_tokens} tokens to compute exceed the {left} "
@@ -258,11 +262,11 @@ def _head(s: StepRecord) -> Optional[Reason]:
                  if h.blocks_for_chunk + wm <= free else "")
         return Reason("not_admitted", rid, "whole_prompt",
                       f"{rid} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants the blocks for all "
-                      f"its {h.num_tokens} tokens, {h.blocks_for_whole}{mark}, free now; {free} are free{first}")
+                      f"its {h.num_tokens} tokens ({h.blocks_for_whole}{mark}) free now, and {_are(free)} free{first}")
     if h.blocks_for_chunk + wm > free:
         return Reason("not_admitted", rid, "blocks",
                       f"{rid} not admitted: its next {h.num_new_tokens} tokens need {h.blocks_for_chunk}{mark} KV "
-                      f"blocks and {free} are free")
+                      f"blocks and {_are(free)} free")
     return Reason("not_admitted", rid, "unexplained",
                   f"{rid} waits although budget ({left} left), max_num_seqs and blocks ({free} free) would admit it: "
                   f"the waiting loop stopped for a reason the trace does not record (a modified gate, a KV "
@@ -296,7 +300,7 @@ def explain_step(trace: SchedulerTrace, k: int) -> List[Reason]:
             text = ("the waiting loop did not run: the preemption in this step closes the gate (vLLM's "
                     "'if not preempted_reqs'), so nobody is admitted")
             if others:
-                text += f"; {_ids(others)} keep waiting"
+                text += f"; {_ids(others)} {'keeps' if len(others) == 1 else 'keep'} waiting"
             out.append(Reason("gate", None, "preemption", text))
     out += _admissions(s)
     if not s.preempted or admitted:
