@@ -59,6 +59,7 @@ class QueueAnimator:
         buttons: ``{"preemption" | "admission" | "finish": widgets.Button}`` that jump to the next such event
             (``jump``); a button is disabled when no such event follows the step shown.
         request: the ``widgets.Dropdown`` of request ids (plus ``"(none)"``) whose block table the frames draw.
+        controls: the ``widgets.HBox`` of the buttons and the menu (DOM class ``mv-controls``).
         widget: the ``widgets.VBox`` that is displayed.
 
     Raises:
@@ -126,10 +127,10 @@ class QueueAnimator:
         self.slider.observe(self._on_step, names="value")
         self._on_step()
         self.style = widgets.HTML(f"<style>{FRAME_CSS}</style>")
-        self.widget = widgets.VBox([
-            self.style, widgets.HBox([self.play, self.slider]),
-            widgets.HBox(list(self.buttons.values()) + [self.request]), self.stack,
-        ])
+        # the buttons and the menu run Python: the slides (no kernel) hide them by this class (FRAME_CSS_SLIDES)
+        self.controls = widgets.HBox(list(self.buttons.values()) + [self.request])
+        self.controls.add_class("mv-controls")
+        self.widget = widgets.VBox([self.style, widgets.HBox([self.play, self.slider]), self.controls, self.stack])
 
     def __len__(self) -> int:
         return len(self.frames)

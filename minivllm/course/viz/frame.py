@@ -85,8 +85,12 @@ FRAME_CSS_SLIDES = """
 .reveal .mv-seg {height: 24px; min-width: 4px}
 .reveal .mv-pool {max-width: 100%}
 .reveal .mv-block {width: 40px; height: 30px; line-height: 30px; font-size: 16px; margin: 2px}
-.reveal .mv-why, .reveal .mv-table table {font-size: 18px}
-.reveal .mv-next {font-size: 16px}
+.reveal .mv-why {font-size: 16px; line-height: 1.15; padding: 1px 6px; margin: 2px 0}
+.reveal .mv-why > b {display: none}
+.reveal .mv-why ul {margin: 0; padding-left: 0; list-style: none}
+.reveal .mv-why li {display: inline}
+.reveal .mv-why li + li:before {content: " \\00b7  "}
+.reveal .mv-next, .reveal .mv-table, .reveal .mv-controls {display: none}
 .reveal .widget-play button {width: 60px; height: 44px; font-size: 22px}
 .reveal .widget-slider, .reveal .widget-hslider {width: 900px !important; height: 44px; font-size: 20px}
 .reveal .widget-slider .widget-label, .reveal .widget-readout {font-size: 20px; width: auto; min-width: 60px}
@@ -95,7 +99,10 @@ FRAME_CSS_SLIDES = """
 (``minivllm.course.slides.export``), scoped to reveal.js's ``.reveal`` so that it only applies there. A frame at
 ``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-24 px,
 a KV block 40x30 px, the budget bar 24 px high and the step slider 900 px wide (checked at 1280x800 by
-``tests/course/test_slides_browser.py``)."""
+``tests/course/test_slides_browser.py``). The "why" sentences run on as one 16 px paragraph, and the next-event
+line, the block table and the animator's buttons and menu are left out: slides have no kernel to run the buttons,
+and with them 04's first frame would not fit the 800-pixel screen (938 px high; 715 px as here, measured in
+Chromium at 1280x800 on 04's run)."""
 
 
 def _stripes(color: str) -> str:
