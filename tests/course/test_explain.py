@@ -259,3 +259,20 @@ def test_animator_buttons_and_block_table():
     # the old call still works and the old frame is one switch away
     old = QueueAnimator(t, explain=False, changes=False, selected=None)
     assert "mv-why" not in old.frames[4] and "mv-table" not in old.frames[4]
+
+
+class _PreemptsTheBest(Scheduler):
+    """Priority policy that preempts the most urgent running request: not vLLM's rule."""
+
+    def _pick_victim(self):
+        return min(self.running, key=lambda r: (r.priority, r.arrival_time))
+
+
+def test_a_broken_priority_rule_is_named():
+    # the priority scenario above: A (priority 0) needs a block at step 2 and, with this rule, preempts itself
+    t = _run({"B": 16, "A": 16, "C": 16}, steps=3, arrive_at={"A": 1, "C": 1}, priority={"A": 0, "B": 5, "C": 1},
+             scheduling_policy="priority", max_num_batched_tokens=64, num_gpu_blocks=3, scheduler_cls=_PreemptsTheBest)
+    assert t[2].preempted == ["A"]
+    r = _of(explain_step(t, 2), "preempted")
+    assert [(x.request_id, x.cause) for x in r] == [("A", "not_worst")]
+    assert "(B 5, A 0) was B" in r[0].text

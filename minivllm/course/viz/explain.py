@@ -164,24 +164,22 @@ def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
             snap = s.requests.get(r)
             return (snap.priority, snap.arrival_time) if snap else (0, 0.0)
 
-        # the order in which the scheduler took them: each time the worst of those still running
-        expected = []
-        for _ in victims:
-            if not remaining:
-                break
-            w = max(remaining, key=key)
-            expected.append(w)
-            remaining.remove(w)
-        for v in sorted(victims, key=lambda r: expected.index(r) if r in expected else len(expected)):
-            cands = ", ".join(f"{r} {key(r)[0]}" for r in start if r in remaining or r in expected)
-            if v in expected:
+        def priorities(rs: List[str]) -> str:
+            return ", ".join(f"{r} {key(r)[0]}" for r in rs)
+
+        # the scheduler takes them one at a time, each time the worst of those still running
+        for v in sorted(victims, key=key, reverse=True):
+            worst = max(remaining, key=key) if remaining else None
+            if v == worst:
                 text = (f"{v} preempted: {need}; the priority policy preempts the running request with the largest "
-                        f"(priority, arrival time), the least urgent; priorities: {cands}")
+                        f"(priority, arrival time), the least urgent; priorities: {priorities(remaining)}")
                 out.append(Reason("preempted", v, "priority_worst", text))
             else:
-                text = (f"{v} preempted, but it was not the worst (priority, arrival time) of the running queue "
-                        f"({cands}): not vLLM's priority rule")
+                text = (f"{v} preempted, but the worst (priority, arrival time) of the running queue "
+                        f"({priorities(remaining)}) was {worst}: not vLLM's priority rule")
                 out.append(Reason("preempted", v, "not_worst", text))
+            if v in remaining:
+                remaining.remove(v)
         return out
     order = sorted(victims, key=lambda r: -start.index(r) if r in start else 1)  # the last running one first
     for v in order:
