@@ -88,7 +88,7 @@ def test_whole_prompt_check():
     assert t[0].num_free_blocks == 3
     r = _of(explain_step(t, 0), "not_admitted")
     assert [(x.request_id, x.cause) for x in r] == [("B", "whole_prompt")]
-    assert "60 tokens (4) free now, and 3 are free" in r[0].text and "first chunk of 16 tokens" in r[0].text
+    assert "wants 4 free blocks for all its 60 tokens and 3 are free" in r[0].text and "first chunk of 16 tokens" in r[0].text
 
 
 def test_blocks():

@@ -212,24 +212,21 @@ def _admissions(s: StepRecord) -> List[Reason]:
         before = s.num_computed_before.get(rid, 0)
         total = snap.num_tokens if snap else before + n
         cached = f", {before} already cached" if before else ""
-        if before + n >= total:
-            chunk = "all"
+        todo = total - before
+        if n >= todo:
+            what = f"all {todo} tokens to compute fit the {left} budget tokens left"
         elif n == left:
-            chunk = "as much as the budget left allows of"
+            what = f"{n} of its {todo} tokens to compute, all the budget left"
         elif n == s.long_prefill_token_threshold:
-            chunk = "a long_prefill_token_threshold chunk of"
+            what = f"{n} of its {todo} tokens to compute (long_prefill_token_threshold)"
         else:
-            chunk = "a chunk of"
+            what = f"{n} of its {todo} tokens to compute"
         nb = len(snap.block_ids) if snap else 0
-        blocks = f"; it holds {nb} KV block{'' if nb == 1 else 's'}" if snap else ""
+        blocks = f" ({nb} KV block{'' if nb == 1 else 's'}{cached})" if snap else ""
         if rid in s.resumed:
-            text = (f"{rid} resumed after its preemption: next in line with {left} budget tokens left, it recomputes "
-                    f"{chunk} its {total} tokens ({n} now{cached}){blocks}")
-            out.append(Reason("resumed", rid, "", text))
+            out.append(Reason("resumed", rid, "", f"{rid} resumed after its preemption, next in line: {what}{blocks}"))
         else:
-            text = (f"{rid} admitted: next in line with {left} budget tokens left, it computes {chunk} its {total} "
-                    f"tokens ({n} now{cached}){blocks}")
-            out.append(Reason("admitted", rid, "", text))
+            out.append(Reason("admitted", rid, "", f"{rid} admitted, next in line: {what}{blocks}"))
     return out
 
 
@@ -259,8 +256,8 @@ def _head(s: StepRecord) -> Optional[Reason]:
         first = (f"; its first chunk of {h.num_new_tokens} tokens alone would fit ({h.blocks_for_chunk} blocks)"
                  if h.blocks_for_chunk + wm <= free else "")
         return Reason("not_admitted", rid, "whole_prompt",
-                      f"{rid} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants the blocks for all "
-                      f"its {h.num_tokens} tokens ({h.blocks_for_whole}{mark}) free now, and {_are(free)} free{first}")
+                      f"{rid} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants {h.blocks_for_whole}"
+                      f"{mark} free blocks for all its {h.num_tokens} tokens and {_are(free)} free{first}")
     if h.blocks_for_chunk + wm > free:
         return Reason("not_admitted", rid, "blocks",
                       f"{rid} not admitted: its next {h.num_new_tokens} tokens need {h.blocks_for_chunk}{mark} KV "

@@ -90,7 +90,7 @@ FRAME_CSS_SLIDES = """
 .reveal .mv-why ul {margin: 0; padding-left: 0; list-style: none}
 .reveal .mv-why li {display: inline}
 .reveal .mv-why li + li:before {content: " \\00b7  "}
-.reveal .mv-next, .reveal .mv-table, .reveal .mv-controls {display: none}
+.reveal .mv-next, .reveal .mv-table, .reveal .mv-controls, .reveal .mv-legend-changes {display: none}
 .reveal .widget-play button {width: 60px; height: 44px; font-size: 22px}
 .reveal .widget-slider, .reveal .widget-hslider {width: 900px !important; height: 44px; font-size: 20px}
 .reveal .widget-slider .widget-label, .reveal .widget-readout {font-size: 20px; width: auto; min-width: 60px}
@@ -100,9 +100,10 @@ FRAME_CSS_SLIDES = """
 ``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-24 px,
 a KV block 40x30 px, the budget bar 24 px high and the step slider 900 px wide (checked at 1280x800 by
 ``tests/course/test_slides_browser.py``). The "why" sentences run on as one 16 px paragraph, and the next-event
-line, the block table and the animator's buttons and menu are left out: slides have no kernel to run the buttons,
-and with them 04's first frame would not fit the 800-pixel screen (938 px high; 715 px as here, measured in
-Chromium at 1280x800 on 04's run)."""
+line, the block table, the legend of the change outlines and the animator's buttons and menu are left out: slides
+have no kernel to run the buttons, and with all of it 04's first frame would not fit the 800-pixel screen (about
+940 px high; about 710 px as here, of the 740 px the test allows, measured on 04's deck in Chromium at
+1280x800)."""
 
 
 def _stripes(color: str) -> str:
@@ -219,6 +220,10 @@ def _events(s: StepRecord) -> str:
     )
 
 
+_CHANGES_LEGEND = ('<span class="mv-legend-changes">; amber outline = taken, red = freed since the step '
+                   'before</span>')
+
+
 def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Optional[StepChanges] = None) -> str:
     cached = set(s.cached_free_blocks)
     taken = set(changes.blocks_taken) if changes else set()
@@ -250,7 +255,7 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Opt
         f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}">'
         f"<div>KV block pool: <b>{s.num_free_blocks}</b> of {s.num_gpu_blocks} blocks free "
         f'<span class="mv-dim">(colour = owner; grey = free; dashed = free but still a cached prefix'
-        f'{"; amber outline = taken, red = freed since the step before" if changes else ""})</span>'
+        f'{_CHANGES_LEGEND if changes else ""})</span>'
         f'</div><div class="mv-pool">{"".join(cells)}{tail}</div></div>'
     )
 
