@@ -58,7 +58,7 @@ class WaitingHeadCheck:
     (asking may change the connector's state), so with a connector the blocks count local hits only.
 
     Attributes:
-        request_id / status: the head (``Scheduler.waiting.peek_request()``) and its ``RequestStatus`` name.
+        request_id / status: the head (the first of ``StepRecord.waiting``) and its ``RequestStatus`` name.
         num_tokens: its tokens so far (prompt, plus output for a preempted request).
         num_hit_tokens: tokens its prefix-cache hit would cover now (0 unless ``num_computed_tokens`` was 0).
         num_new_tokens: the chunk it would get from the budget left; ``None``: without chunked prefill its tokens
@@ -155,13 +155,16 @@ def _last_inputs(engine_core: "EngineCore") -> Any:
     return executor.collective_rpc(_runner_last_inputs, unique_reply_rank=0)
 
 
-def _check_waiting_head(engine_core: "EngineCore", budget_left: int, threshold: int) -> Optional[WaitingHeadCheck]:
+def _check_waiting_head(engine_core: "EngineCore", waiting: List[str], budget_left: int,
+                        threshold: int) -> Optional[WaitingHeadCheck]:
     """``WaitingHeadCheck`` of the waiting queue's head right after ``schedule()`` (``None`` if nobody waits).
-    Changes nothing: it asks the pure parts of the scheduler and the KV cache manager."""
+    Changes nothing: it asks the pure parts of the scheduler and the KV cache manager. The head is the first of
+    ``waiting`` (``queue_snapshot()``'s order, the order ``peek_request`` serves), not asked of the queue: a
+    notebook that counts ``peek_request`` calls (10's peek counter) must count the scheduler's only."""
     sched, kv = engine_core.scheduler, engine_core.kv_cache_manager
-    if not sched.waiting:
+    if not waiting:
         return None
-    r = sched.waiting.peek_request()
+    r = sched.requests[waiting[0]]
     hits, hit_tokens = kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else ([], 0)
     n: Optional[int] = 0
     blocks_for_chunk = 0
@@ -253,7 +256,7 @@ class SchedulerTrace:
             max_num_seqs=sc.max_num_seqs,
             new_block_ids={rid: new_block_ids.get(rid, []) for rid in so.num_scheduled_tokens},
             waiting_head=_check_waiting_head(
-                engine_core, sc.max_num_batched_tokens - so.total_num_scheduled_tokens, threshold),
+                engine_core, waiting, sc.max_num_batched_tokens - so.total_num_scheduled_tokens, threshold),
             policy=sc.policy,
             reserve_full_isl=sc.scheduler_reserve_full_isl,
             chunked_prefill=sc.enable_chunked_prefill,
