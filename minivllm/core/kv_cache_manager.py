@@ -98,6 +98,29 @@ class KVCacheManager:
         evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         return max(total - held - len(new_computed_blocks), 0) + evictable_hits
 
+    def get_num_blocks_to_allocate(
+        self,
+        request: "Request",
+        num_new_tokens: int,
+        num_new_computed_tokens: int = 0,
+        new_computed_blocks: Sequence[KVCacheBlock] = (),
+        num_lookahead_tokens: int = 0,
+    ) -> int:
+        """Free blocks that ``allocate_slots`` with the same arguments takes from the pool: the new blocks for
+        the slots it still lacks, plus the prefix-cache hits that sit in the free queue (``ref_cnt == 0``, reviving
+        one takes it out of the free queue). vLLM ``get_num_blocks_to_allocate`` (per attention type, `v0.33.0
+        single_type_kv_cache_manager.py L176-L266
+        <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/single_type_kv_cache_manager.py#L176>`_),
+        whose sum ``allocate_slots`` compares with the free blocks; vLLM's fast path for a running request
+        (``max(required - held, 0)``) gives the same count, as a running request has no new hits. Changes nothing; the course's trace asks it about the
+        waiting queue's head to explain why the head was not admitted.
+        """
+        total_computed = request.num_computed_tokens + num_new_computed_tokens
+        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
+        held = len(self.req_to_blocks.get(request.request_id, ()))
+        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - held - len(new_computed_blocks), 0)
+        return num_new_blocks + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+
     def allocate_slots(
         self,
         request: "Request",
@@ -135,14 +158,12 @@ class KVCacheManager:
                                        > self.block_pool.get_num_free_blocks()):
             return None
         total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
-        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - len(req_blocks) - len(new_computed_blocks), 0)
-        num_evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        if num_new_blocks + num_evictable_hits + watermark_blocks > self.block_pool.get_num_free_blocks():
-            if not req_blocks:
-                del self.req_to_blocks[request.request_id]
+        num_blocks_to_allocate = self.get_num_blocks_to_allocate(
+            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
+        if num_blocks_to_allocate + watermark_blocks > self.block_pool.get_num_free_blocks():
             return None
+        num_new_blocks = num_blocks_to_allocate - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
             req_blocks.extend(new_computed_blocks)

@@ -1,7 +1,7 @@
 """The course's tools, on top of the engine: they import the engine, the engine never imports them.
 
 Files: ``trace`` (``SchedulerTrace``: one ``StepRecord`` per engine step), ``viz/`` (queue animator, frames,
-timeline and block-pool plots of a trace), ``exercises/`` (checkers for the notebooks' "Your turn" cells),
+the why of each step, timeline and block-pool plots of a trace), ``exercises/`` (checkers for the notebooks' "Your turn" cells),
 ``figures`` (``python -m minivllm figures``), ``batching`` (static versus continuous batching drivers of notebook
 04), ``recording_connector`` (a KV connector wrapper that records every call), ``buggy_connector`` (the classic
 connector mistake of notebook 08), ``calls_view`` (notebook 08's widget of connector calls per step).

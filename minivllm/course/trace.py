@@ -13,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
+from minivllm.core.sched.scheduler import SchedulerStep
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.request import RequestStatus
 
 if TYPE_CHECKING:
     from minivllm.core.sched.output import SchedulerOutput
@@ -27,7 +29,8 @@ _INPUT_FIELDS = ("req_ids", "input_ids", "positions", "query_start_loc", "seq_le
 
 @dataclass
 class RequestSnapshot:
-    """One request's counters at a step, in tokens (``block_ids`` in block-table order)."""
+    """One request's counters at a step, in tokens (``block_ids`` in block-table order; ``arrival_time`` in
+    seconds of ``time.monotonic()``, the priority policy's tie-break)."""
 
     request_id: str
     status: str
@@ -39,6 +42,41 @@ class RequestSnapshot:
     num_preemptions: int
     num_cached_tokens: int
     priority: int = 0
+    arrival_time: float = 0.0
+
+
+@dataclass
+class WaitingHeadCheck:
+    """The waiting queue's head after a step, asked what the waiting loop asks a request before admitting it.
+
+    Taken right after ``schedule()``: the pool and the token budget are then exactly as the waiting loop left
+    them (nothing allocates after it), so these are the facts behind its stop. Each number comes from the
+    engine's own code, asked without changing anything: the prefix-cache hit from
+    ``KVCacheManager.get_computed_blocks``, the chunk from the scheduler's ``_num_new_tokens_waiting`` (with the
+    budget left and the step's ``long_prefill_token_threshold``), the blocks from
+    ``KVCacheManager.get_num_blocks_to_allocate`` and ``num_blocks_to_admit``. A KV connector's hit is not asked
+    (asking may change the connector's state), so with a connector the blocks count local hits only.
+
+    Attributes:
+        request_id / status: the head (the first of ``StepRecord.waiting``) and its ``RequestStatus`` name.
+        num_tokens: its tokens so far (prompt, plus output for a preempted request).
+        num_hit_tokens: tokens its prefix-cache hit would cover now (0 unless ``num_computed_tokens`` was 0).
+        num_new_tokens: the chunk it would get from the budget left; ``None``: without chunked prefill its tokens
+            do not fit the budget left; 0 when no budget is left (then no blocks are asked).
+        blocks_for_chunk: free blocks that allocating that chunk would take.
+        blocks_for_whole: free blocks its whole current sequence needs (``scheduler_reserve_full_isl``'s check).
+        watermark_blocks: blocks an admission must leave free in this state (0 unless a watermark is set and
+            other requests run).
+    """
+
+    request_id: str
+    status: str
+    num_tokens: int
+    num_hit_tokens: int
+    num_new_tokens: Optional[int]
+    blocks_for_chunk: int
+    blocks_for_whole: int
+    watermark_blocks: int
 
 
 @dataclass
@@ -61,6 +99,13 @@ class StepRecord:
         inputs: the model runner's flattened batch as lists (``positions``, ``slot_mapping``, ...), when recorded.
         connector_calls: KV connector calls made during this step, when a recording connector is used.
         max_num_seqs: the limit on running requests (0 in records made before this field existed).
+        new_block_ids: block ids each scheduled request got in this step (its whole table when admitted).
+        waiting_head: the waiting queue's head checked as the waiting loop checks it (``None``: nobody waits).
+        policy: ``"fcfs"`` or ``"priority"``.
+        reserve_full_isl / chunked_prefill: ``scheduler_reserve_full_isl`` and ``enable_chunked_prefill``.
+        long_prefill_token_threshold: the step's cap on one request's tokens (0 = none; the lone-request rule
+            applied).
+        block_size: tokens per KV block (0 in records made before this field existed).
     """
 
     step: int
@@ -82,6 +127,13 @@ class StepRecord:
     inputs: Optional[Dict[str, Any]] = None
     connector_calls: List[Dict[str, Any]] = field(default_factory=list)
     max_num_seqs: int = 0
+    new_block_ids: Dict[str, List[int]] = field(default_factory=dict)
+    waiting_head: Optional[WaitingHeadCheck] = None
+    policy: str = "fcfs"
+    reserve_full_isl: bool = True
+    chunked_prefill: bool = True
+    long_prefill_token_threshold: int = 0
+    block_size: int = 0
 
     @property
     def total_scheduled(self) -> int:
@@ -103,6 +155,33 @@ def _last_inputs(engine_core: "EngineCore") -> Any:
     return executor.collective_rpc(_runner_last_inputs, unique_reply_rank=0)
 
 
+def _check_waiting_head(engine_core: "EngineCore", waiting: List[str], budget_left: int,
+                        threshold: int) -> Optional[WaitingHeadCheck]:
+    """``WaitingHeadCheck`` of the waiting queue's head right after ``schedule()`` (``None`` if nobody waits).
+    Changes nothing: it asks the pure parts of the scheduler and the KV cache manager. The head is the first of
+    ``waiting`` (``queue_snapshot()``'s order, the order ``peek_request`` serves), not asked of the queue: a
+    notebook that counts ``peek_request`` calls (10's peek counter) must count the scheduler's only."""
+    sched, kv = engine_core.scheduler, engine_core.kv_cache_manager
+    if not waiting:
+        return None
+    r = sched.requests[waiting[0]]
+    hits, hit_tokens = kv.get_computed_blocks(r) if r.num_computed_tokens == 0 else ([], 0)
+    n: Optional[int] = 0
+    blocks_for_chunk = 0
+    if budget_left > 0:
+        n = sched._num_new_tokens_waiting(
+            r, r.num_computed_tokens + hit_tokens,
+            SchedulerStep(token_budget=budget_left, long_prefill_token_threshold=threshold))
+        if n is not None:
+            blocks_for_chunk = kv.get_num_blocks_to_allocate(r, n, hit_tokens, hits)
+    admitting = r.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED)
+    return WaitingHeadCheck(
+        request_id=r.request_id, status=r.status.name, num_tokens=r.num_tokens, num_hit_tokens=hit_tokens,
+        num_new_tokens=n, blocks_for_chunk=blocks_for_chunk, blocks_for_whole=kv.num_blocks_to_admit(r, hits),
+        watermark_blocks=kv.watermark_blocks if sched.running and admitting else 0,
+    )
+
+
 @dataclass
 class SchedulerTrace:
     """All steps of a run, with the queries the course asks of it; also the step observer that records them.
@@ -111,8 +190,11 @@ class SchedulerTrace:
     appends one ``StepRecord``. ``on_schedule`` snapshots the queues, requests and blocks right after
     ``schedule()``, before the forward pass changes anything; ``on_step_end`` adds what the step produced (the
     model runner's inputs when ``record_inputs``, a ``RecordingConnector``'s calls, the requests that finished).
-    It reads only public views: ``Scheduler.queue_snapshot`` and ``requests``, ``KVCacheManager.get_block_ids``,
-    ``num_free_blocks`` and ``get_cached_free_block_ids``, ``ModelRunner.last_inputs`` and the step's outputs.
+    It reads public views (``Scheduler.queue_snapshot`` and ``requests``, ``KVCacheManager.get_block_ids``,
+    ``num_free_blocks`` and ``get_cached_free_block_ids``, ``ModelRunner.last_inputs``, the step's outputs) and
+    asks the engine's own pure parts about the waiting queue's head (``WaitingHeadCheck``): the facts from which
+    ``minivllm.course.viz.explain`` says why each step went as it did. All of it runs in the observer, only when
+    a trace is registered: the engine computes nothing for the course.
 
     Attributes:
         steps: the records, one per step.
@@ -134,7 +216,7 @@ class SchedulerTrace:
             r = sched.requests[rid]
             snaps[rid] = RequestSnapshot(
                 rid, r.status.name, r.num_prompt_tokens, r.num_computed_tokens, r.num_output_tokens, r.num_tokens,
-                kv.get_block_ids(rid), r.num_preemptions, r.num_cached_tokens, r.priority,
+                kv.get_block_ids(rid), r.num_preemptions, r.num_cached_tokens, r.priority, r.arrival_time,
             )
         kinds, before = {}, {}
         for rid, n in so.num_scheduled_tokens.items():
@@ -142,12 +224,18 @@ class SchedulerTrace:
             before[rid] = r.num_computed_tokens - n
             is_decode = n == 1 and r.num_output_tokens > 0 and before[rid] == r.num_tokens - 1
             kinds[rid] = "decode" if is_decode else "prefill"
-        num_gpu_blocks = config.cache_config.num_gpu_blocks
+        num_gpu_blocks = kv.block_pool.num_gpu_blocks  # the pool's size (the config's is Optional until profiled)
         owners: List[List[str]] = [[] for _ in range(num_gpu_blocks)]
         for rid, snap in snaps.items():  # every request holding blocks is in a queue
             for b in snap.block_ids:
                 owners[b].append(rid)
         self._num_scheduled = so.total_num_scheduled_tokens
+        new_block_ids = {n.req_id: list(n.block_ids) for n in so.scheduled_new_reqs}
+        cached = so.scheduled_cached_reqs
+        new_block_ids.update({rid: list(b) for rid, b in zip(cached.req_ids, cached.new_block_ids)})
+        sc = config.scheduler_config
+        # the lone-request rule reads the queues' total, which schedule() does not change: the step's value
+        threshold = sched._long_prefill_token_threshold()
         self._pending = StepRecord(
             step=len(self.steps),
             waiting=waiting,
@@ -165,7 +253,15 @@ class SchedulerTrace:
             block_owners=owners,
             cached_free_blocks=kv.get_cached_free_block_ids(),
             token_budget=config.scheduler_config.max_num_batched_tokens,
-            max_num_seqs=config.scheduler_config.max_num_seqs,
+            max_num_seqs=sc.max_num_seqs,
+            new_block_ids={rid: new_block_ids.get(rid, []) for rid in so.num_scheduled_tokens},
+            waiting_head=_check_waiting_head(
+                engine_core, waiting, sc.max_num_batched_tokens - so.total_num_scheduled_tokens, threshold),
+            policy=sc.policy,
+            reserve_full_isl=sc.scheduler_reserve_full_isl,
+            chunked_prefill=sc.enable_chunked_prefill,
+            long_prefill_token_threshold=threshold,
+            block_size=config.cache_config.block_size,
         )
 
     def on_step_end(self, engine_core: "EngineCore", engine_core_outputs: Any,
@@ -181,7 +277,7 @@ class SchedulerTrace:
             record.connector_calls = take_calls()
         for o in request_outputs:
             if o.finished:
-                record.finished[o.request_id] = o.outputs[0].finish_reason
+                record.finished[o.request_id] = str(o.outputs[0].finish_reason)  # never None once finished
         self.steps.append(record)
 
     # ---- the queries -------------------------------------------------------------------------------------------

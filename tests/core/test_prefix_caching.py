@@ -201,6 +201,30 @@ def test_admission_counts_evictable_hits_as_used_blocks():
     check_pool(kv)
 
 
+def test_get_num_blocks_to_allocate_is_what_allocate_slots_takes():
+    """The pure count (vLLM's ``get_num_blocks_to_allocate``; the course's trace asks it) equals the drop in free
+    blocks of the allocation that follows: new blocks plus evictable hits, none for hits already held."""
+    kv = KVCacheManager(num_gpu_blocks=8, block_size=4, max_model_len=32)
+    a = make_request("a", list(range(1, 10)))  # 9 tokens: 3 blocks, 2 of them full and hashed
+    assert kv.get_num_blocks_to_allocate(a, 9) == 3
+    admit(kv, a)
+    kv.free(a)  # its 2 hashed blocks stay findable in the free queue
+    b = make_request("b", list(range(1, 9)) + [5, 6, 7])  # 11 tokens, the first 8 hit
+    hits, num_hit = kv.get_computed_blocks(b)
+    assert num_hit == 8
+    predicted = kv.get_num_blocks_to_allocate(b, 3, num_hit, hits)
+    assert predicted == 1 + 2  # 1 new block for tokens 8-10, and the 2 evictable hits leave the free queue
+    free = kv.num_free_blocks
+    assert kv.allocate_slots(b, 3, num_hit, hits) is not None
+    assert free - kv.num_free_blocks == predicted
+    b.num_computed_tokens = 11
+    # a running request's next token: its 3 blocks hold 12 slots, the 12th token needs none, the 13th one block
+    assert kv.get_num_blocks_to_allocate(b, 1) == 0
+    b.num_computed_tokens = 12
+    assert kv.get_num_blocks_to_allocate(b, 1) == 1
+    check_pool(kv)
+
+
 # ---- eviction order -----------------------------------------------------------------------------------------------
 def test_free_order_and_lazy_lru_eviction():
     kv = KVCacheManager(num_gpu_blocks=8, block_size=4, max_model_len=32)

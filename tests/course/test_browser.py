@@ -131,8 +131,14 @@ def _visible_frame(page) -> dict:
             if (!f) return null;
             const q = name => [...f.querySelectorAll(`.mv-req[data-queue="${name}"]`)]
                 .map(e => e.dataset.requestId);
+            const table = f.querySelector('.mv-table');
             return {step: Number(f.dataset.step), waiting: q('waiting'), running: q('running'),
-                    frames: document.querySelectorAll('.mv-frame').length};
+                    frames: document.querySelectorAll('.mv-frame').length,
+                    reasons: [...f.querySelectorAll('.mv-why li:not([data-reason="none"])')].map(e => [e.dataset.reason, e.dataset.cause,
+                                                                             e.dataset.requestId]),
+                    table: table ? [table.dataset.requestId,
+                                    [...table.querySelectorAll('td[data-block]')].map(e => Number(e.dataset.block))]
+                                 : null};
         }"""
     )
 
@@ -150,6 +156,7 @@ def _eval(page, js: str, timeout_s: float):
 def test_animator_plays_in_jupyterlab(lab, tmp_path):
     playwright = pytest.importorskip("playwright.sync_api", reason="pip install playwright (no browser download)")
     from minivllm.course.figures import preemption_run
+    from minivllm.course.viz.explain import explain_step, next_event
 
     trace = preemption_run().trace
     shots = Path(os.environ.get("MINIVLLM_SCREENSHOT_DIR") or tmp_path / "screenshots")
@@ -176,7 +183,7 @@ def test_animator_plays_in_jupyterlab(lab, tmp_path):
             page.screenshot(path=str(shots / "animator_step0.png"))
 
             # Play must get past the preemption (step 4) to a step whose queues differ from step 0's (step 8)
-            pre = trace.preemptions()[0][0]
+            pre, pre_id = trace.preemptions()[0]
             k_change = next(s.step for s in trace
                             if s.step > pre and (s.waiting, s.running) != (trace[0].waiting, trace[0].running))
             page.locator(".widget-play button").first.click()  # Play
@@ -209,6 +216,42 @@ def test_animator_plays_in_jupyterlab(lab, tmp_path):
             back = _visible_frame(page)
             assert back["waiting"] == trace[k - 1].waiting and back["running"] == trace[k - 1].running
             page.screenshot(path=str(shots / "animator_back.png"))
+            # every frame says why, as the explanation of its step does
+            assert back["reasons"] == [[r.kind, r.cause, r.request_id or ""] for r in explain_step(trace, k - 1)]
+
+            # the jump buttons (they run in the kernel): no preemption follows this step, a finish and an
+            # admission do
+            assert page.get_by_role("button", name="next preemption").is_disabled()
+            for kind in ("finish", "admission"):
+                here = _visible_frame(page)["step"]
+                target = next_event(trace, here, kind)
+                assert target is not None
+                page.get_by_role("button", name=f"next {kind}").click()
+                page.wait_for_function(
+                    f"""() => {{ const f = [...document.querySelectorAll('.mv-frame')]
+                                    .find(e => e.getClientRects().length > 0);
+                                return f && Number(f.dataset.step) === {target}; }}""",
+                    timeout=20_000,
+                )
+                jumped = _visible_frame(page)
+                assert jumped["running"] == trace[target].running
+                reason = {"finish": "finished", "admission": "admitted"}[kind]
+                assert any(r[0] in (reason, "resumed") for r in jumped["reasons"]), jumped["reasons"]
+                assert int(page.locator(".widget-readout").first.inner_text()) == target
+            # the block table follows the request picked in the menu (the first preempted one until then)
+            step = _visible_frame(page)["step"]
+            assert _visible_frame(page)["table"][0] == pre_id
+            rid = next(r for r in trace[step].running if r != pre_id)
+            page.locator(".widget-dropdown select").first.select_option(label=rid)
+            page.wait_for_function(
+                f"""() => {{ const f = [...document.querySelectorAll('.mv-frame')]
+                                .find(e => e.getClientRects().length > 0);
+                            const t = f && f.querySelector('.mv-table');
+                            return t && t.dataset.requestId === {json.dumps(rid)}; }}""",
+                timeout=20_000,
+            )
+            assert _visible_frame(page)["table"] == [rid, trace[step].requests[rid].block_ids]
+            page.screenshot(path=str(shots / "animator_buttons.png"))
         finally:
             browser.close()
     assert (shots / "animator_playing.png").stat().st_size > 10_000
@@ -246,6 +289,7 @@ def test_exported_html_animates_without_a_kernel(tmp_path):
     from nbconvert.preprocessors import ExecutePreprocessor
 
     from minivllm.course.figures import preemption_run
+    from minivllm.course.viz.explain import explain_step
 
     js = _npm_pack(tmp_path / "npm")
     _write_notebook(tmp_path / "animator.ipynb")
@@ -280,5 +324,8 @@ def test_exported_html_animates_without_a_kernel(tmp_path):
             later = _visible_frame(page)
             assert later["waiting"] == trace[later["step"]].waiting
             assert later["running"] == trace[later["step"]].running
+            # the why box is part of the saved frames: it explains without a kernel
+            assert later["reasons"] == [[r.kind, r.cause, r.request_id or ""]
+                                        for r in explain_step(trace, later["step"])]
         finally:
             browser.close()

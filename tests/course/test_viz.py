@@ -158,7 +158,7 @@ def test_animator_steps_forwards_and_backwards(trace):
     assert a.stack.selected_index == 4
     a.slider.value = 1  # the slider alone drives the frame too
     assert a.stack.selected_index == 1
-    assert a.stack.children[4].value == render_frame_html(trace, 4, with_css=False)
+    assert a.stack.children[4].value == render_frame_html(trace, 4, with_css=False, selected=a.selected)
     assert "<style>" in a.style.value and "<style>" not in a.stack.children[4].value
     # the browser-side link that makes exported HTML animate: slider.value -> stack.selected_index
     js = [link for link in a._links if type(link).__name__ == "DirectionalLink"]

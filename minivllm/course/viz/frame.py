@@ -4,13 +4,20 @@ A frame draws one ``StepRecord`` (see ``minivllm/course/trace.py``): the waiting
 running queue (admission order), one box per request with its id and token counters; the tokens each scheduled
 request computes in this step, a prefill chunk drawn striped and a decode token drawn solid; how much of the
 token budget (``max_num_batched_tokens``) the step used; the requests admitted, resumed, preempted and finished
-in this step; and the KV block pool, each block coloured by the request(s) that hold it.
+in this step; and the KV block pool, each block coloured by the request(s) that hold it. By default a frame also
+says why (``minivllm.course.viz.explain``: who was admitted, why the waiting queue's head was not, who was preempted
+and why that victim, why the waiting loop did not run), names the steps of the next preemption, admission and
+finish, and marks what changed since the step before (a request that changed queue: an amber outline and
+``data-changed``; a block taken or freed: an amber or red outline and ``data-change``). Given ``selected``, it
+draws that request's block table (logical block -> physical block, tokens written in each, blocks new in this
+step marked).
 
 The layout lives in one small style sheet (``FRAME_CSS``, class names prefixed ``mv-``); only the colours of a
 request are inline. ``render_frame_html`` puts the style sheet in front of the frame by default, so a frame renders
 the same in JupyterLab, in a notebook exported to HTML without a kernel, and in a plain browser; the animator
 includes it once for all its frames. Every element a test or a reader may look for carries a ``data-*``
-attribute (``data-queue``, ``data-request-id``, ``data-kind``, ``data-tokens``, ``data-block``, ``data-owner``).
+attribute (``data-queue``, ``data-request-id``, ``data-kind``, ``data-tokens``, ``data-block``, ``data-owner``, ``data-reason``,
+``data-cause``, ``data-next``, ``data-changed``, ``data-change``, ``data-logical``).
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Dict, List, Optional
 
 from minivllm.course.trace import SchedulerTrace, StepRecord
 from minivllm.course.viz.colors import owner_colors, text_color
+from minivllm.course.viz.explain import EVENT_KINDS, StepChanges, explain_step, next_event, step_changes
 
 FRAME_CSS = """
 .mv-frame {font-family: -apple-system, 'Segoe UI', Helvetica, Arial, sans-serif; font-size: 13px; line-height: 1.35;
@@ -48,6 +56,18 @@ FRAME_CSS = """
   line-height: 20px; box-sizing: border-box; border: 1px solid #555}
 .mv-free {background: #eeeeee; border-color: #ccc; color: #999}
 .mv-cached {background: #ffffff; border-style: dashed; color: #555}
+.mv-why {margin: 4px 0; padding: 3px 6px; background: #fffbe6; border: 1px solid #e6d8a0; border-radius: 4px}
+.mv-why ul {margin: 2px 0; padding-left: 18px}
+.mv-why li[data-cause="unexplained"], .mv-why li[data-cause="not_last"], .mv-why li[data-cause="not_worst"],
+.mv-why li[data-cause="open_despite_preemption"] {color: #c62828}
+.mv-next {font-size: 12px; color: #444}
+.mv-req[data-changed] {box-shadow: 0 0 0 3px #ffb300}
+.mv-block[data-change="taken"] {box-shadow: inset 0 0 0 3px #ffb300}
+.mv-block[data-change="freed"] {box-shadow: inset 0 0 0 3px #c62828}
+.mv-table {margin: 4px 0}
+.mv-table table {border-collapse: collapse; font-size: 12px}
+.mv-table td, .mv-table th {border: 1px solid #bbb; padding: 1px 6px; text-align: center}
+.mv-table td[data-new="1"] {box-shadow: inset 0 0 0 3px #ffb300}
 """
 """The frame's style sheet (layout only; each request's colour is set inline)."""
 
@@ -65,6 +85,12 @@ FRAME_CSS_SLIDES = """
 .reveal .mv-seg {height: 24px; min-width: 4px}
 .reveal .mv-pool {max-width: 100%}
 .reveal .mv-block {width: 40px; height: 30px; line-height: 30px; font-size: 16px; margin: 2px}
+.reveal .mv-why {font-size: 16px; line-height: 1.15; padding: 1px 6px; margin: 2px 0}
+.reveal .mv-why > b {display: none}
+.reveal .mv-why ul {margin: 0; padding-left: 0; list-style: none}
+.reveal .mv-why li {display: inline}
+.reveal .mv-why li + li:before {content: " \\00b7  "}
+.reveal .mv-next, .reveal .mv-table, .reveal .mv-controls, .reveal .mv-legend-changes {display: none}
 .reveal .widget-play button {width: 60px; height: 44px; font-size: 22px}
 .reveal .widget-slider, .reveal .widget-hslider {width: 900px !important; height: 44px; font-size: 20px}
 .reveal .widget-slider .widget-label, .reveal .widget-readout {font-size: 20px; width: auto; min-width: 60px}
@@ -73,7 +99,11 @@ FRAME_CSS_SLIDES = """
 (``minivllm.course.slides.export``), scoped to reveal.js's ``.reveal`` so that it only applies there. A frame at
 ``FRAME_CSS``'s 13 px is unreadable from the back of a room at a projector's 1280x800; here the text is 16-24 px,
 a KV block 40x30 px, the budget bar 24 px high and the step slider 900 px wide (checked at 1280x800 by
-``tests/course/test_slides_browser.py``)."""
+``tests/course/test_slides_browser.py``). The "why" sentences run on as one 16 px paragraph, and the next-event
+line, the block table, the legend of the change outlines and the animator's buttons and menu are left out: slides
+have no kernel to run the buttons, and with all of it 04's first frame would not fit the 800-pixel screen (about
+940 px high; about 710 px as here, of the 740 px the test allows, measured on 04's deck in Chromium at
+1280x800)."""
 
 
 def _stripes(color: str) -> str:
@@ -89,7 +119,7 @@ def _badge(text: str, cls: str) -> str:
     return f'<span class="mv-badge {cls}">{escape(text)}</span>'
 
 
-def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
+def _request_box(s: StepRecord, rid: str, queue: str, color: str, changes: Optional[StepChanges] = None) -> str:
     snap = s.requests.get(rid)
     n = s.num_scheduled_tokens.get(rid, 0)
     kind = s.kinds.get(rid, "none") if n else "none"
@@ -134,15 +164,21 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str) -> str:
         chunk = '<div class="mv-chunk mv-idle" data-kind="none" data-tokens="0">no tokens this step (budget spent)</div>'
     else:
         chunk = ""
+    changed = ""
+    if changes is not None and rid in changes.moved:
+        a, b = changes.moved[rid]
+        changed = (f' data-changed="{a or "absent"}-{b}" title="{_attr(rid)}: {a or "not in the engine"} &rarr; {b} '
+                   f'since the step before"')
     return (
         f'<div class="mv-req" data-request-id="{_attr(rid)}" data-queue="{queue}" data-kind="{kind}" '
-        f'data-tokens="{n}" style="border-color:{color}"><div><span class="mv-id">{escape(rid)}</span>'
+        f'data-tokens="{n}"{changed} style="border-color:{color}"><div><span class="mv-id">{escape(rid)}</span>'
         f'{"".join(badges)}</div><div class="mv-counts">{counts}</div>{chunk}</div>'
     )
 
 
-def _queue(s: StepRecord, queue: str, ids: List[str], colors: Dict[str, str], title: str) -> str:
-    boxes = "".join(_request_box(s, rid, queue, colors.get(rid, "#777777")) for rid in ids)
+def _queue(s: StepRecord, queue: str, ids: List[str], colors: Dict[str, str], title: str,
+           changes: Optional[StepChanges] = None) -> str:
+    boxes = "".join(_request_box(s, rid, queue, colors.get(rid, "#777777"), changes) for rid in ids)
     if not boxes:
         boxes = '<span class="mv-empty">(empty)</span>'
     return (
@@ -184,12 +220,19 @@ def _events(s: StepRecord) -> str:
     )
 
 
-def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int) -> str:
+_CHANGES_LEGEND = ('<span class="mv-legend-changes">; amber outline = taken, red = freed since the step '
+                   'before</span>')
+
+
+def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Optional[StepChanges] = None) -> str:
     cached = set(s.cached_free_blocks)
+    taken = set(changes.blocks_taken) if changes else set()
+    freed = set(changes.blocks_freed) if changes else set()
     cells = []
     for b, owners in enumerate(s.block_owners[:max_blocks]):
+        change = ' data-change="taken"' if b in taken else ' data-change="freed"' if b in freed else ""
         head = f'<span class="mv-block{{}}" data-block="{b}" data-owner="{_attr(" ".join(owners))}" ' \
-               f'data-cached="{int(b in cached)}"'
+               f'data-cached="{int(b in cached)}"{change}'
         if owners:
             cs = [colors.get(o, "#777777") for o in owners]
             if len(cs) == 1:
@@ -211,8 +254,55 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int) -> str:
     return (
         f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}">'
         f"<div>KV block pool: <b>{s.num_free_blocks}</b> of {s.num_gpu_blocks} blocks free "
-        f'<span class="mv-dim">(colour = owner; grey = free; dashed = free but still a cached prefix)</span>'
+        f'<span class="mv-dim">(colour = owner; grey = free; dashed = free but still a cached prefix'
+        f'{_CHANGES_LEGEND if changes else ""})</span>'
         f'</div><div class="mv-pool">{"".join(cells)}{tail}</div></div>'
+    )
+
+
+def _why(trace: SchedulerTrace, k: int) -> str:
+    items = "".join(
+        f'<li data-reason="{r.kind}" data-cause="{r.cause}" data-request-id="{_attr(r.request_id or "")}">'
+        f"{escape(r.text)}</li>"
+        for r in explain_step(trace, k)
+    ) or '<li data-reason="none" data-cause="">nothing admitted, preempted or finished, nobody waiting</li>'
+    return f'<div class="mv-why"><b>why</b><ul>{items}</ul></div>'
+
+
+def _next(trace: SchedulerTrace, k: int) -> str:
+    parts = []
+    for kind in EVENT_KINDS:
+        j = next_event(trace, k, kind)
+        parts.append(f'next {kind}: <span data-next="{kind}" data-step="{"" if j is None else j}">'
+                     f'{"&ndash;" if j is None else f"step {j}"}</span>')
+    return f'<div class="mv-next">{" &middot; ".join(parts)}</div>'
+
+
+def _block_table(s: StepRecord, rid: str, color: str) -> str:
+    """``rid``'s block table at step ``s``: one column per logical block with its physical block and the tokens
+    written in it by the end of the step (``num_computed_tokens`` after scheduling)."""
+    snap = s.requests.get(rid)
+    head = f'<div class="mv-table" data-request-id="{_attr(rid)}"><div>block table of <b>{escape(rid)}</b> '
+    if snap is None:
+        return head + '<span class="mv-dim">(not in the engine at this step)</span></div></div>'
+    if not snap.block_ids:
+        return head + f'<span class="mv-dim">({snap.status.lower()}: holds no KV block)</span></div></div>'
+    new = set(s.new_block_ids.get(rid, []))
+    bs = s.block_size
+    logical, physical, filled = ["<th>logical</th>"], ["<th>physical</th>"], ["<th>tokens</th>"]
+    for i, b in enumerate(snap.block_ids):
+        shared = len(s.block_owners[b]) > 1 if b < len(s.block_owners) else False
+        mark = f' data-new="{int(b in new)}" data-shared="{int(shared)}"'
+        logical.append(f"<td>{i}</td>")
+        physical.append(f'<td data-logical="{i}" data-block="{b}"{mark} style="background:{color}; '
+                        f'color:{text_color(color)}">{b}{"*" if shared else ""}</td>')
+        n = min(bs, max(0, snap.num_computed_tokens - i * bs)) if bs else None
+        filled.append(f"<td>{'' if n is None else f'{n}/{bs}'}</td>")
+    note = ("amber = given to it in this step (a new block, or its whole table when admitted); * = shared with another request (a prefix-cache hit); tokens = slots "
+            "whose KV is written by the end of this step")
+    return (
+        head + f'<span class="mv-dim">({note})</span></div><table><tr>{"".join(logical)}</tr>'
+        f'<tr>{"".join(physical)}</tr><tr>{"".join(filled)}</tr></table></div>'
     )
 
 
@@ -223,8 +313,12 @@ def render_frame_html(
     colors: Optional[Dict[str, str]] = None,
     max_blocks: int = 512,
     with_css: bool = True,
+    explain: bool = True,
+    changes: bool = True,
+    selected: Optional[str] = None,
 ) -> str:
-    """HTML of step ``k`` of ``trace``: queues, scheduled tokens, budget, events and KV block pool.
+    """HTML of step ``k`` of ``trace``: queues, scheduled tokens, budget, events and KV block pool; by default
+    also why (``explain_step``), the next events and the changes since step ``k - 1``.
 
     Args:
         trace: a recorded run (``TracedLLMEngine(...).trace``).
@@ -232,12 +326,18 @@ def render_frame_html(
         colors: ``request id -> "#rrggbb"``; default ``owner_colors(trace)`` (stable over the whole run).
         max_blocks: draw at most this many KV blocks (the rest is summarised in one line).
         with_css: put ``<style>FRAME_CSS</style>`` in front (leave it out when the page has it already).
+        explain: add the "why" box (``minivllm.course.viz.explain.explain_step``) and the steps of the next
+            preemption, admission and finish.
+        changes: mark what changed since step ``k - 1`` (``step_changes``): requests that changed queue, blocks
+            taken or freed.
+        selected: a request id: add its block table at this step (``None``: no table).
 
     Returns:
         ``[<style>...</style>]<div class="mv-frame" data-step="k">...</div>``.
 
     Raises:
-        ValueError: if ``trace`` is empty, ``k`` is outside ``[0, len(trace))`` or ``max_blocks < 1``.
+        ValueError: if ``trace`` is empty, ``k`` is outside ``[0, len(trace))``, ``max_blocks < 1`` or
+            ``selected`` is not a request of the trace.
 
     The counters in a request box are taken right after ``schedule()`` (as vLLM's scheduler advances
     ``num_computed_tokens`` at schedule time): ``computed a->b`` is before and after this step's tokens, ``output``
@@ -250,14 +350,19 @@ def render_frame_html(
     if max_blocks < 1:
         raise ValueError(f"max_blocks must be >= 1, got {max_blocks}")
     colors = owner_colors(trace) if colors is None else colors
+    if selected is not None and selected not in colors and selected not in owner_colors(trace):
+        raise ValueError(f"selected must be a request id of the trace, got {selected!r}")
     s = trace[k]
+    diff = step_changes(trace, k) if changes else None
     return (
         (f"<style>{FRAME_CSS}</style>" if with_css else "")
         + f'<div class="mv-frame" data-step="{s.step}">'
         f'<div class="mv-title"><b>step <span class="mv-step">{s.step}</span></b> '
         f'<span class="mv-dim">of 0&ndash;{trace[len(trace) - 1].step}</span></div>'
+        f"{_why(trace, k) + _next(trace, k) if explain else ''}"
         f"{_budget(s, colors)}{_events(s)}"
-        f'{_queue(s, "waiting", s.waiting, colors, "waiting queue (front first)")}'
-        f'{_queue(s, "running", s.running, colors, "running queue (admission order)")}'
-        f"{_blocks(s, colors, max_blocks)}</div>"
+        f'{_queue(s, "waiting", s.waiting, colors, "waiting queue (front first)", diff)}'
+        f'{_queue(s, "running", s.running, colors, "running queue (admission order)", diff)}'
+        f"{_blocks(s, colors, max_blocks, diff)}"
+        f"{'' if selected is None else _block_table(s, selected, colors.get(selected, '#777777'))}</div>"
     )
