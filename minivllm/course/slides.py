@@ -217,11 +217,23 @@ def count_slides(types: Sequence[Optional[str]]) -> int:
 
 def slide_budget(name: str) -> int:
     """The most slides the deck of notebook ``name`` (a stem in ``SLIDE_NOTEBOOKS``) should have: its share of its
-    lecture's ``SLIDES_PER_LECTURE``. KeyError for a notebook of no lecture."""
+    lecture's ``SLIDES_PER_LECTURE``, but no more than the lecture's other decks leave once each has its sections
+    (a section is never cut, so a deck with many leaves its neighbour less: lecture 5's 08 has 18, so 13 gets 6).
+    KeyError for a notebook of no lecture."""
     for lecture in LECTURES:
         if name in lecture:
-            return SLIDES_PER_LECTURE // len(lecture)
+            share = SLIDES_PER_LECTURE // len(lecture)
+            others = sum(_sections(other) for other in lecture if other != name)
+            return min(share, max(_sections(name), SLIDES_PER_LECTURE - others))
     raise KeyError(f"notebook {name!r} is in no lecture of LECTURES")
+
+
+def _sections(name: str) -> int:
+    """The slides of notebook ``name``'s deck cut at its headings only (the fewest it can have)."""
+    import json
+
+    cells = json.loads((NOTEBOOKS_DIR / f"{name}.ipynb").read_text(encoding="utf-8"))["cells"]
+    return count_slides(_types_with_limit([p for _, p in split_at_headings(cells)], None))
 
 
 def line_limit(cells: Sequence[dict], max_slides: int) -> Optional[int]:

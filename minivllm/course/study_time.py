@@ -81,6 +81,7 @@ class StudyTime:
         exercises: "Your turn" and prediction cells (``exercise_names``, ``prediction_names``).
         exercise_minutes: their minutes, by difficulty (``MINUTES_PER_STARS``).
         minutes: the unrounded estimate, in minutes.
+        predictions: how many of ``exercises`` are prediction cells.
     """
 
     words: int
@@ -90,6 +91,7 @@ class StudyTime:
     exercises: int
     minutes: float
     exercise_minutes: int = 0
+    predictions: int = 0
 
     @property
     def rounded(self) -> int:
@@ -172,7 +174,8 @@ def estimate(cells: Sequence[dict], stars: Optional[Dict[str, int]] = None) -> S
             lines += sum(1 for line in src.splitlines() if line.strip())
     minutes = (words / WORDS_PER_MIN + cjk / CJK_CHARS_PER_MIN + lines / CODE_LINES_PER_MIN
                + code_cells * SECONDS_PER_CELL / 60 + exercise_minutes)
-    return StudyTime(words, cjk, lines, code_cells, len(names), minutes, exercise_minutes)
+    return StudyTime(words, cjk, lines, code_cells, len(names), minutes, exercise_minutes,
+                     len(prediction_names(cells)))
 
 
 def _strip_markup(md: str) -> str:
@@ -192,7 +195,13 @@ def notebook_estimate(path: Path) -> StudyTime:
 def header_line(t: StudyTime) -> str:
     """The study part of a notebook's time line (the notebook may follow it with how long its cells run)."""
     if t.exercises:
-        which = f"its {t.exercises} exercises" if t.exercises > 1 else "its exercise"
+        k, m = t.exercises - t.predictions, t.predictions
+        if k and m:
+            which = f"its {k} exercise{'s' * (k != 1)} and {m} prediction{'s' * (m != 1)}"
+        elif k:
+            which = "its exercise" if k == 1 else f"its {k} exercises"
+        else:
+            which = "its prediction" if m == 1 else f"its {m} predictions"
         ex = f"{t.exercise_minutes} of them for {which} by difficulty; "
     else:
         ex = ""

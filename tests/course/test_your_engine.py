@@ -61,3 +61,12 @@ def test_a_wrong_part_is_replaced_by_the_reference(solutions):
     assert chosen.yours["running_loop"] is False
     assert chosen.objs["running_loop"] is parts.get("running_loop").reference
     assert "does not pass its checker yet" in chosen.why["running_loop"]
+
+
+def test_smollm2_through_the_solutions_engine_equals_transformers(solutions):
+    """The issue's "your engine" run: SmolLM2 (float32, greedy) with every part of the solutions (their attention
+    backend, scheduler and connector) gives transformers' tokens (transformers reads the same GGUF itself)."""
+    from minivllm.course.learner.your_engine import check_against_transformers
+
+    [(yours, ref)] = check_against_transformers(solutions, ["What is the capital of France?"], max_tokens=8)
+    assert len(yours) == 8 and yours == ref

@@ -108,7 +108,7 @@ def describe(w: Dict[str, Any]) -> str:
     reqs = ", ".join(f"{r['id']}: {len(r['prompt_token_ids'])}+{r['sampling']['max_tokens']}"
                      f"@{r.get('arrive_at_step', 0)}" + (f" p{r['priority']}" if "priority" in r else "")
                      for r in w["requests"])
-    return f"{w['name']!r} ({kw}; requests prompt+output@arrival step[ priority]: {reqs})"
+    return f"{w['name']!r} ({kw}; requests prompt+output@arrival step: {reqs})"
 
 
 def run_steps(w: Dict[str, Any], scheduler_cls: Optional[type] = None, with_connector: bool = False,

