@@ -235,3 +235,22 @@ def test_the_block_table_map_draws_one_arrow_per_block_table_entry():
         block_table_arrows(record, ["Z"])
     with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
         draw_block_table_map(record, 0)
+
+
+def test_paged_attention_without_the_grouped_query_repeat_gets_the_gqa_hint():
+    """A fresh learner's read: the raw einsum size error named no hint."""
+    import math
+
+    import torch
+
+    from minivllm.course.exercises import fallback
+    from minivllm.course.learner import parts
+
+    def no_repeat(q, kv_cache, block_table, num_computed):
+        k, v = fallback.gather_kv(kv_cache, block_table, num_computed + q.shape[0])
+        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(q.shape[-1])
+        return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+    status, msg = parts.run_check(parts.get("paged_attention"), no_repeat)
+    assert status == "failed" and "4 query / 2 KV heads" in msg
+    assert "repeat each KV head num_heads // num_kv_heads times" in msg

@@ -105,6 +105,7 @@ def test_prompt_instead_of_num_tokens_fails_on_resumed_requests():
                    "num_new_tokens = request.num_prompt_tokens - num_computed_tokens", "ChunkSizing")
     msg = _fails("chunk_sizing", cls)
     assert "resumed" in msg and "field num_scheduled_tokens" in msg
+    assert "was resumed after a preemption: its chunk counts from request.num_tokens" in msg
 
 
 def test_chunking_off_rule_missing_fails_on_chunked_prefill_off():
@@ -114,6 +115,15 @@ def test_chunking_off_rule_missing_fails_on_chunked_prefill_off():
     # D (4 tokens) does not fit the 2 left after C: the reference stops, yours cuts D's prompt to 2 tokens
     assert "enable_chunked_prefill=False" in msg and "step 1, field num_scheduled_tokens, request D" in msg
     assert '"D": 2' in msg
+
+
+def test_zero_instead_of_none_is_told_to_return_none():
+    cls = _variant("chunk_sizing", "        if not self.config.enable_chunked_prefill and num_new_tokens > "
+                   "step.token_budget:\n            return None\n",
+                   "        if not self.config.enable_chunked_prefill and num_new_tokens > "
+                   "step.token_budget:\n            return 0\n", "ChunkSizing")
+    msg = _fails("chunk_sizing", cls)
+    assert "was admitted with 0 tokens" in msg and "returns None from _num_new_tokens_waiting" in msg
 
 
 def test_overriding_another_parts_method_fails():
@@ -136,6 +146,7 @@ def test_logits_at_the_first_row_of_each_request_fail():
                   "logits_indices.append(query_start_loc[-2])", "flatten_batch")
     msg = _fails("flattened_batch", fn)
     assert "160 at 64, step 0" in msg and "field logits_indices, request rhine: expected 63, yours 0" in msg
+    assert "each request's last row: query_start_loc[i + 1] - 1" in msg
 
 
 def test_slot_equal_to_position_fails_where_blocks_are_not_consecutive():

@@ -17,7 +17,7 @@ import random
 import textwrap
 import traceback
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from minivllm.bench.vllm_check import minivllm_replay
 from minivllm.bench.vllm_check.compare import STEP_FIELDS
@@ -203,9 +203,14 @@ def _request_of(a: Any, b: Any) -> Optional[str]:
 
 def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workloads: Sequence[Dict[str, Any]],
                          hidden: Sequence[Dict[str, Any]] = (), fields: Sequence[str] = COMPARED_FIELDS,
-                         with_connector: bool = False) -> int:
+                         with_connector: bool = False,
+                         explain: Optional[Callable[[Difference, Optional[Dict[str, Any]],
+                                                     Optional[Dict[str, Any]]], str]] = None) -> int:
     """The checker of a scheduler part: ``cls`` must be a ``Scheduler`` subclass that overrides ``methods`` and
     no other part's method, and schedule every workload exactly as the reference does.
+
+    ``explain(difference, expected_step, your_step)``: a line on what the difference usually means for this part
+    (empty when nothing fits), printed under it.
 
     Returns the number of workloads run. Raises ``parts.NotWritten`` while a method still raises
     ``NotImplementedError``, ``parts.PartFailed`` naming the workload and the first difference (or the exception
@@ -240,7 +245,9 @@ def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workl
         if d is not None:
             e_step = expected[d.step] if d.step < len(expected) else None
             g_step = got[d.step] if d.step < len(got) else None
-            raise PartFailed(f"on workload {describe(w)}\n{d.format(e_step, g_step)}")
+            meaning = explain(d, e_step, g_step) if explain is not None else ""
+            raise PartFailed(f"on workload {describe(w)}\n{d.format(e_step, g_step)}"
+                             + (f"\n{meaning}" if meaning else ""))
         n += 1
     return n
 

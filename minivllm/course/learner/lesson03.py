@@ -306,12 +306,23 @@ def _attention_cases() -> List[tuple]:
     return cases
 
 
+def _gqa_note(msg: str) -> str:
+    """A line for an error that a missing grouped-query repeat causes (a raw size mismatch names no hint)."""
+    if " raised " in msg and "size" in msg and "Hint:" not in msg:
+        return ("\n  Hint: k and v have num_kv_heads heads and q has num_heads: repeat each KV head "
+                "num_heads // num_kv_heads times (k.repeat_interleave(group, dim=1)) before the scores")
+    return ""
+
+
 def check_paged_attention(fn: Any, hidden: bool = True) -> int:
     """The checker of part ``paged_attention``: ``fn(q, kv_cache, block_table, num_computed) -> out [T, num_heads,
     head_dim]`` equals ``minivllm.attention.backends.reference.reference_paged_attention`` (within 1e-5) on the
     notebook's 3 cases and ``ATTENTION_HIDDEN``. Raises ``NotWritten`` or ``PartFailed`` naming the case, the first
     differing entry and, when the answer equals a known mistake (``ATTENTION_VARIANTS``), what it is."""
-    n = _legacy(paged.check_paged_attention, fn, "paged_attention")
+    try:
+        n = _legacy(paged.check_paged_attention, fn, "paged_attention")
+    except PartFailed as e:
+        raise PartFailed(str(e) + _gqa_note(str(e))) from None
     if hidden:
         general = (HIDDEN_HINT + " Otherwise: gather this request's keys and values in position order, keep "
                    "num_computed + T of them, then attend as in cached_attention (1 / sqrt(head_dim), the mask shifted by num_computed, "

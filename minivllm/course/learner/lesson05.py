@@ -85,11 +85,24 @@ def chunk_sizing_hidden() -> List[Dict[str, Any]]:
     return hand + compare.random_workloads(505, 3, chunked=True) + off
 
 
+def _chunk_meaning(d: Any, expected: Optional[Dict[str, Any]], got: Optional[Dict[str, Any]]) -> str:
+    """A line saying what a chunk-sizing difference usually means (``compare.check_scheduler_part``'s explain)."""
+    if d.field != "num_scheduled_tokens" or expected is None or got is None or d.request is None:
+        return ""
+    if (got.get("num_scheduled_tokens") or {}).get(d.request) == 0:
+        return (f"  {d.request} was admitted with 0 tokens: with chunked prefill off, a request that does not fit "
+                "returns None from _num_new_tokens_waiting (the waiting loop stops), not 0")
+    if d.request in (expected.get("resumed") or []):
+        return (f"  {d.request} was resumed after a preemption: its chunk counts from request.num_tokens (its "
+                "outputs included), not from the prompt")
+    return ""
+
+
 def check_chunk_sizing(cls: Any, hidden: bool = True) -> int:
     """The ``chunk_sizing`` checker: ``cls`` overrides the three chunk-sizing methods and no other part's, and
     schedules every workload (hidden ones too with ``hidden``) exactly as the reference ``Scheduler``."""
     return compare.check_scheduler_part("chunk_sizing", cls, CHUNK_SIZING_METHODS, chunk_sizing_workloads(),
-                                        chunk_sizing_hidden() if hidden else ())
+                                        chunk_sizing_hidden() if hidden else (), explain=_chunk_meaning)
 
 
 register(Part(
@@ -256,6 +269,18 @@ def _where(field: str, i: int, expected: Dict[str, List[int]], rids: List[str]) 
     return f"entry {i}"
 
 
+# What a difference in each field usually means, appended to the first difference (a fresh learner's read: the
+# hints are the same for every failure, these lines are not).
+_BATCH_MEANING = {
+    "query_start_loc": ("\n  query_start_loc is [0, then each request's end], the cumulative sum of num_scheduled_tokens "
+                        "in the dict's order (the batch order: do not sort the requests)"),
+    "positions": "\n  a request's rows sit at positions num_computed_tokens, num_computed_tokens + 1, ...",
+    "slot_mapping": ("\n  a token's slot is block_table[position // block_size] * block_size + position % block_size, "
+                     "from its position (not its batch row)"),
+    "logits_indices": "\n  logits_indices holds each request's last row: query_start_loc[i + 1] - 1",
+}
+
+
 def first_batch_difference(case: BatchCase, got: Dict[str, Any]) -> Optional[str]:
     """The first field, request and row in which ``got`` differs from the runner's batch, in words; ``None``
     when equal."""
@@ -273,6 +298,7 @@ def first_batch_difference(case: BatchCase, got: Dict[str, Any]) -> Optional[str
         else:
             head = f"field {f}, {_where(f, i, case.expected, rids)}: expected {a[i]}, yours {b[i]}"
         sched, computed, tables, bs = case.args
+        head += _BATCH_MEANING.get(f, "")
         return (f"first difference: {head}\n"
                 f"    expected {f}[{lo}:{i + 4}]: {a[lo:i + 4]}\n"
                 f"    yours    {f}[{lo}:{i + 4}]: {b[lo:i + 4]}\n"
