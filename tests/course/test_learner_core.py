@@ -100,7 +100,7 @@ def test_grader_reads_the_saved_notebook(tmp_path, toy_part, capsys, body, statu
     out = capsys.readouterr().out
     assert rc == code
     assert grade_mod.STATUS_MARK[status] in out
-    assert "lesson 05: %d of 1 parts passed" % (status == "passed") in out
+    assert "lesson 05, parts passed: %d of 1" % (status == "passed") in out
     if status == "failed":
         assert "first difference: step 0, field num_scheduled_tokens, request A" in out
         assert "Hint 1:\n      nudge" in out and "Hint 2:\n      idea" in out and "Hint 3" not in out

@@ -194,7 +194,7 @@ def test_the_grader_finds_the_blank_exercises_and_passes_the_solutions():
     out = io.StringIO()
     results = grade.grade(["03"], str(ROOT / "notebooks"), hints=1, out=out)
     assert [(p.name, s) for p, s, _, _ in results] == [(n, "blank") for n in PARTS]
-    assert "lesson 03: 0 of 4 parts passed" in out.getvalue()
+    assert "lesson 03, parts passed: 0 of 4" in out.getvalue()
     out = io.StringIO()
     results = grade.grade(["03"], str(ROOT / "notebooks"), solutions=True, out=out)
     assert [(p.name, s) for p, s, _, _ in results] == [(n, "passed") for n in PARTS], out.getvalue()

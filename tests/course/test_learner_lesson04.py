@@ -144,7 +144,7 @@ def test_grader_finds_the_cell_in_the_committed_notebooks():
     out = io.StringIO()
     [(part, status, msg, _s)] = grade.grade(["04"], folder=str(NOTEBOOKS), solutions=True, out=out)
     assert (part.name, status) == ("waiting_loop", "passed"), msg
-    assert "lesson 04: 1 of 1 parts passed" in out.getvalue()
+    assert "lesson 04, parts passed: 1 of 1" in out.getvalue()
 
 
 HAND_MADE = [w for w in lesson04.NOTEBOOK_WORKLOADS + lesson04.HIDDEN_WORKLOADS if not w["name"].startswith("hidden")]

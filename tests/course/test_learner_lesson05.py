@@ -60,7 +60,7 @@ def test_grader_reads_both_notebooks():
     res = {p.name: s for p, s, _m, _t in grade.grade(["05"], os.path.join(ROOT, "notebooks"), solutions=True,
                                                          out=out)}
     assert res == {"chunk_sizing": "passed", "flattened_batch": "passed"}, out.getvalue()
-    assert "lesson 05: 2 of 2 parts passed" in out.getvalue()
+    assert "lesson 05, parts passed: 2 of 2" in out.getvalue()
 
 
 def test_references_are_what_the_engine_runs_while_blank(capsys):

@@ -67,7 +67,7 @@ def test_the_blank_notebook_is_blank_for_the_grader():
     out = io.StringIO()
     results = grade.grade(["06"], str(ROOT / "notebooks"), out=out)
     assert [(p.name, s) for p, s, _, _ in results] == [("running_loop", "blank"), ("preempt_request", "blank")]
-    assert "lesson 06: 0 of 2 parts passed" in out.getvalue()
+    assert "lesson 06, parts passed: 0 of 2" in out.getvalue()
 
 
 def test_the_grader_passes_the_solutions_notebook():

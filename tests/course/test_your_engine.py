@@ -68,5 +68,16 @@ def test_smollm2_through_the_solutions_engine_equals_transformers(solutions):
     backend, scheduler and connector) gives transformers' tokens (transformers reads the same GGUF itself)."""
     from minivllm.course.learner.your_engine import check_against_transformers
 
-    [(yours, ref)] = check_against_transformers(solutions, ["What is the capital of France?"], max_tokens=8)
-    assert len(yours) == 8 and yours == ref
+    for with_connector in (False, True):  # without one, 04's loop runs (with one it hands steps to the reference)
+        [(yours, ref)] = check_against_transformers(solutions, ["What is the capital of France?"], max_tokens=8,
+                                                    with_connector=with_connector)
+        assert len(yours) == 8 and yours == ref, with_connector
+
+
+def test_the_flattened_batch_and_the_attention_backend_run_in_the_built_engine(solutions):
+    from minivllm.course.learner.your_engine import build_llm
+
+    llm = build_llm(solutions, with_connector=False, model="tiny")
+    runner = llm.llm_engine.model_runner
+    assert getattr(runner._prepare_inputs, "keywords", {}).get("flatten") is solutions.objs["flattened_batch"]
+    assert llm.llm_engine.scheduler.__class__.__name__ == "YourScheduler"

