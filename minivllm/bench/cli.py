@@ -206,7 +206,7 @@ def run_benchmark(a) -> Dict:
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. Returns 0 on success, 2 for bad arguments. ``bench serve ...`` is the serving benchmark
     (``minivllm.bench.serve.cli``)."""
-    from minivllm.bench.report import format_table, write_json
+    from minivllm.bench.report import environment_line, format_table, write_json
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -223,6 +223,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 2
     out = run_benchmark(a)
     print()
+    print(environment_line())
     print(format_table(out["results"], out["ratios"]))
     for peer, why in out["skipped"].items():
         print(f"(skipped {peer}: {why})")

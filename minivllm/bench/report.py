@@ -84,6 +84,36 @@ def compute_ratios(results: Dict[str, Dict[str, List[RunResult]]], ours: str = "
     return out
 
 
+#: The CPU flags that decide which kernels and dtypes minivllm (and vLLM's CPU build) can use fast: AVX2 only means
+#: float32 matmuls at 8 lanes; AVX-512 doubles the lanes; AVX512-BF16 and AMX make bfloat16 fast.
+CPU_CLASS_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def cpu_class(cpuinfo: Optional[str] = None) -> List[str]:
+    """The ``CPU_CLASS_FLAGS`` this machine has (``cpuinfo``: the text of ``/proc/cpuinfo``, read when ``None``;
+    an empty list where there is none), so that a figure can be read without its machine."""
+    if cpuinfo is None:
+        try:
+            with open("/proc/cpuinfo") as f:
+                cpuinfo = f.read()
+        except OSError:
+            return []
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+            break
+    return [f for f in CPU_CLASS_FLAGS if f in flags]
+
+
+def environment_line(env: Optional[Dict] = None) -> str:
+    """One line naming the CPU, its class, the threads and the load average, printed with every table."""
+    env = env or environment()
+    flags = ", ".join(env.get("cpu_flags") or []) or "no AVX2"
+    return (f"machine: {env['cpu']} ({flags}), {env['cpu_count']} CPUs, {env['torch_threads']} torch threads, "
+            f"load average {env['loadavg'][0]:.2f}")
+
+
 def environment() -> Dict:
     """Machine and software facts stored with every result."""
     cpu = platform.processor()
@@ -100,6 +130,7 @@ def environment() -> Dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "cpu": cpu,
+        "cpu_flags": cpu_class(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,

@@ -234,3 +234,18 @@ def test_step_profile_groups_operators():
     with pytest.raises(ValueError, match="no request"):
         eng.run_to_completion()
         profile_step(eng)
+
+
+def test_cpu_class_names_the_flags_that_decide_the_fast_path():
+    from minivllm.bench.report import cpu_class, environment, environment_line
+
+    avx2 = "processor\t: 0\nflags\t\t: fpu sse2 avx avx2 fma\n"
+    bf16 = "flags\t\t: avx2 avx512f avx512bw avx512_bf16 avx512_vnni amx_tile amx_bf16\n"
+    assert cpu_class(avx2) == ["avx2"]
+    assert cpu_class(bf16) == ["avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16"]
+    assert cpu_class("") == []
+    env = environment()
+    assert env["cpu_flags"] == cpu_class()
+    line = environment_line({**env, "cpu_flags": ["avx2"], "cpu": "AMD EPYC", "cpu_count": 2,
+                             "torch_threads": 2, "loadavg": [0.5, 0.4, 0.3]})
+    assert line == "machine: AMD EPYC (avx2), 2 CPUs, 2 torch threads, load average 0.50"
