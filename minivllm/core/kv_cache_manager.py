@@ -93,10 +93,19 @@ class KVCacheManager:
         vLLM's admission gate (``full_sequence_must_fit``, ``scheduler_reserve_full_isl=True``): a request is
         admitted only if all of its known tokens would fit, so a chunked prefill never starts and then starves.
         """
-        total = cdiv(min(request.num_tokens, self.max_model_len), self.block_size)
+        return sum(self._blocks_to_take(request, request.num_tokens, new_computed_blocks))
+
+    def _blocks_to_take(self, request: "Request", num_tokens_need_slot: int,
+                        new_computed_blocks: Sequence[KVCacheBlock]) -> Tuple[int, int]:
+        """``(new blocks, evictable hits)``: the blocks ``request`` still lacks for its first
+        ``num_tokens_need_slot`` tokens (capped at ``max_model_len``), beyond those it holds and its prefix-cache
+        hits, and the hits that sit in the free queue (``ref_cnt == 0``: reviving one takes it out of the queue).
+        Their sum is what the pool must have free; the one count behind ``num_blocks_to_admit``,
+        ``get_num_blocks_to_allocate`` and ``allocate_slots``."""
+        total = cdiv(min(num_tokens_need_slot, self.max_model_len), self.block_size)
         held = len(self.req_to_blocks.get(request.request_id, ()))
-        evictable_hits = sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
-        return max(total - held - len(new_computed_blocks), 0) + evictable_hits
+        num_new_blocks = max(total - held - len(new_computed_blocks), 0)
+        return num_new_blocks, sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
 
     def get_num_blocks_to_allocate(
         self,
@@ -112,14 +121,12 @@ class KVCacheManager:
         single_type_kv_cache_manager.py L176-L266
         <https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/core/single_type_kv_cache_manager.py#L176>`_),
         whose sum ``allocate_slots`` compares with the free blocks; vLLM's fast path for a running request
-        (``max(required - held, 0)``) gives the same count, as a running request has no new hits. Changes nothing; the course's trace asks it about the
-        waiting queue's head to explain why the head was not admitted.
+        (``max(required - held, 0)``) gives the same count, as a running request has no new hits. Changes
+        nothing; the course's trace asks it about the waiting queue's head to explain why the head was not admitted.
         """
         total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_tokens_need_slot = min(total_computed + num_new_tokens + num_lookahead_tokens, self.max_model_len)
-        held = len(self.req_to_blocks.get(request.request_id, ()))
-        num_new_blocks = max(cdiv(num_tokens_need_slot, self.block_size) - held - len(new_computed_blocks), 0)
-        return num_new_blocks + sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
+        return sum(self._blocks_to_take(request, total_computed + num_new_tokens + num_lookahead_tokens,
+                                        new_computed_blocks))
 
     def allocate_slots(
         self,
@@ -158,11 +165,10 @@ class KVCacheManager:
                                        > self.block_pool.get_num_free_blocks()):
             return None
         total_computed = request.num_computed_tokens + num_new_computed_tokens
-        num_blocks_to_allocate = self.get_num_blocks_to_allocate(
-            request, num_new_tokens, num_new_computed_tokens, new_computed_blocks, num_lookahead_tokens)
-        if num_blocks_to_allocate + watermark_blocks > self.block_pool.get_num_free_blocks():
+        num_new_blocks, num_evictable_hits = self._blocks_to_take(
+            request, total_computed + num_new_tokens + num_lookahead_tokens, new_computed_blocks)
+        if num_new_blocks + num_evictable_hits + watermark_blocks > self.block_pool.get_num_free_blocks():
             return None
-        num_new_blocks = num_blocks_to_allocate - sum(1 for b in new_computed_blocks if b.ref_cnt == 0)
         req_blocks = self.req_to_blocks.setdefault(request.request_id, [])
         if new_computed_blocks:
             self.block_pool.touch(new_computed_blocks)
