@@ -139,28 +139,46 @@ def check_gather_kv(fn: Callable) -> int:
          [1, 6, 0, 0], 5),
     ]
     for desc, bt, n in cases:
-        cache = _garbage_cache(g, 8, 4, 2, 3)
-        table = torch.tensor(bt)
-        exp_k, exp_v = gather_kv(cache, table, n)
-        got = call(fn, (cache.clone(), table.clone(), n), "gather_kv", desc)
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            fail("gather_kv", desc, f"expected a tuple (k, v), got {type(got).__name__}")
-        for name, exp, other, out in (("k", exp_k, exp_v, got[0]), ("v", exp_v, exp_k, got[1])):
-            problem = compare_tensors(exp, out, what=name, atol=0, rtol=0)
-            if problem is None:
-                continue
-            hint = None
-            nblk = -(-n // 4)
-            if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] in (nblk * 4, len(bt) * 4) and out.shape[0] != n:
-                hint = "keep only the first seq_len rows: the last block is only partly filled (or not the request's)."
-            elif isinstance(out, torch.Tensor) and out.shape == exp.shape and torch.equal(out, other):
-                hint = "k comes from kv_cache[0], v from kv_cache[1]."
-            elif isinstance(out, torch.Tensor) and out.shape == exp.shape:
-                contiguous = cache[0 if name == "k" else 1, :nblk].reshape(nblk * 4, 2, 3)[:n]
-                if torch.equal(out, contiguous):
-                    hint = "read the blocks listed in block_table, in that order, not blocks 0, 1, 2, ..."
-            fail("gather_kv", desc, problem, hint)
+        check_gather_case(fn, _garbage_cache(g, 8, 4, 2, 3), bt, n, desc,
+                          untrimmed=lambda rows, bt=bt, n=n: rows in (-(-n // 4) * 4, len(bt) * 4))
     return len(cases)
+
+
+def check_gather_case(fn: Callable, cache: torch.Tensor, bt: list, n: int, desc: str,
+                      untrimmed: Callable[[int], bool]) -> None:
+    """Run ``fn(cache, block_table, n)`` on one case and compare ``(k, v)`` with the package's ``gather_kv``
+    exactly; shared by this checker and lesson 03's hidden cases.
+
+    Args:
+        cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]``; block_size and head counts come from it.
+        bt: the block table as a list of ints; n: ``seq_len``; desc: the case, in words, for the message.
+        untrimmed: whether a wrong answer of that many rows (not ``n``) is the untrimmed-blocks mistake.
+
+    Raises:
+        ExerciseFailed: naming the case, the first wrong value and a hint for a known mistake.
+    """
+    __tracebackhide__ = True
+    table = torch.tensor(bt)
+    exp_k, exp_v = gather_kv(cache, table, n)
+    got = call(fn, (cache.clone(), table.clone(), n), "gather_kv", desc)
+    if not isinstance(got, (tuple, list)) or len(got) != 2:
+        fail("gather_kv", desc, f"expected a tuple (k, v), got {type(got).__name__}")
+    bs, heads, dim = cache.shape[2:]
+    for name, exp, other, out in (("k", exp_k, exp_v, got[0]), ("v", exp_v, exp_k, got[1])):
+        problem = compare_tensors(exp, out, what=name, atol=0, rtol=0)
+        if problem is None:
+            continue
+        hint = None
+        nblk = -(-n // bs)
+        if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] != n and untrimmed(out.shape[0]):
+            hint = "keep only the first seq_len rows: the last block is only partly filled (or not the request's)."
+        elif isinstance(out, torch.Tensor) and out.shape == exp.shape and torch.equal(out, other):
+            hint = "k comes from kv_cache[0], v from kv_cache[1]."
+        elif isinstance(out, torch.Tensor) and out.shape == exp.shape:
+            contiguous = cache[0 if name == "k" else 1, :nblk].reshape(nblk * bs, heads, dim)[:n]
+            if torch.equal(out, contiguous):
+                hint = "read the blocks listed in block_table, in that order, not blocks 0, 1, 2, ..."
+        fail("gather_kv", desc, problem, hint)
 
 
 # ---- paged attention -------------------------------------------------------------------------------------------

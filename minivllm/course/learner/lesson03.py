@@ -39,7 +39,6 @@ from minivllm.attention.backend import (
     CommonAttentionMetadata,
 )
 from minivllm.attention.backends.reference import reference_paged_attention
-from minivllm.attention.paged_attention import gather_kv as _package_gather_kv
 from minivllm.attention.paged_attention import write_kv_cache
 from minivllm.course.exercises import fallback, paged
 from minivllm.course.exercises._harness import (
@@ -241,27 +240,8 @@ GATHER_HIDDEN = [
 def _check_gather_hidden(fn: Callable) -> int:
     g = torch.Generator().manual_seed(1304)
     for desc, nb, bs, hkv, d, bt, n in GATHER_HIDDEN:
-        cache = torch.randn(2, nb, bs, hkv, d, generator=g)
-        table = torch.tensor(bt)
-        exp_k, exp_v = _package_gather_kv(cache, table, n)
-        got = call(fn, (cache.clone(), table.clone(), n), "gather_kv", desc)
-        if not isinstance(got, (tuple, list)) or len(got) != 2:
-            fail("gather_kv", desc, f"expected a tuple (k, v), got {type(got).__name__}")
-        for name, exp, other, out in (("k", exp_k, exp_v, got[0]), ("v", exp_v, exp_k, got[1])):
-            problem = compare_tensors(exp, out, what=name, atol=0, rtol=0)
-            if problem is None:
-                continue
-            hint = None
-            if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] > n:
-                hint = "keep only the first seq_len rows: the last block is only partly filled (or not the request's)."
-            elif isinstance(out, torch.Tensor) and out.shape == exp.shape and torch.equal(out, other):
-                hint = "k comes from kv_cache[0], v from kv_cache[1]."
-            elif isinstance(out, torch.Tensor) and out.shape == exp.shape:
-                nblk = -(-n // bs)
-                contiguous = cache[0 if name == "k" else 1, :nblk].reshape(nblk * bs, hkv, d)[:n]
-                if torch.equal(out, contiguous):
-                    hint = "read the blocks listed in block_table, in that order, not blocks 0, 1, 2, ..."
-            fail("gather_kv", desc, problem, hint)
+        paged.check_gather_case(fn, torch.randn(2, nb, bs, hkv, d, generator=g), bt, n, desc,
+                                untrimmed=lambda rows, n=n: rows > n)
     return len(GATHER_HIDDEN)
 
 
