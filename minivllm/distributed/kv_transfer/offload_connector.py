@@ -284,18 +284,12 @@ class OffloadConnector(OffloadConnectorBase):
     the store, ``get_finished`` reports asynchronous loads that completed.
 
     Args:
-        block_size: the engine's ``block_size`` (checked against the KV cache at the first step).
         load_mode: ``"sync"`` (load before the forward pass of the step that admits the request) or ``"async"``
             (the request waits in ``WAITING_FOR_REMOTE_KVS``; the copy runs on a background thread).
-        async_load_delay_steps: asynchronous loads are reported finished this many engine steps after they
-            start (>= 0). A fixed number of steps stands in for the transfer time, so runs are repeatable.
-        disk_path: folder for a disk copy of every block (shared by engine instances); ``None``: memory only.
-        cpu_capacity_blocks: blocks kept in memory at most (LRU); ``None``: unlimited.
-        store: an existing ``KVBlockStore`` to share (then ``disk_path`` and ``cpu_capacity_blocks`` must be
-            ``None``).
+        block_size, async_load_delay_steps, disk_path, cpu_capacity_blocks, store: as ``OffloadConnectorBase``.
 
     Raises:
-        ValueError: an invalid argument (see each one above).
+        ValueError: an invalid argument (``load_mode``, or one of the base's).
     """
 
     def __init__(
