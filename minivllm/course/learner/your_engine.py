@@ -100,14 +100,13 @@ def scheduler_cls(chosen: Chosen) -> type:
     part overrides only its own methods, so the order decides nothing but the name lookup path)."""
     from minivllm.core.sched.scheduler import Scheduler
 
-    parts = load_all()
     bases: List[type] = []
-    for name, obj in chosen.objs.items():
-        if parts[name].kind == "scheduler" and isinstance(obj, type) and obj is not Scheduler and obj not in bases:
+    for name, part in sorted(load_all().items(), key=lambda kv: kv[1].lesson, reverse=True):
+        obj = chosen.objs.get(name)
+        if part.kind == "scheduler" and isinstance(obj, type) and obj is not Scheduler and obj not in bases:
             bases.append(obj)
     if not bases:
         return Scheduler
-    bases.sort(key=lambda c: [p.lesson for n, p in parts.items() if chosen.objs.get(n) is c][0], reverse=True)
     return type("YourScheduler", tuple(bases), {"__doc__": "The learner's scheduler: " +
                                                ", ".join(b.__name__ for b in bases)})
 
