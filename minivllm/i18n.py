@@ -1,0 +1,89 @@
+"""The language of minivllm's learner-facing text: English (the default) or Chinese (``zh_CN``), through gettext.
+
+One switch, read by every translated message when it is formatted: :func:`set_language` (``"en"`` or ``"zh_CN"``),
+or the environment variable ``MINIVLLM_LANG`` read at import. The Chinese notebooks (``notebooks/zh-CN/``) call
+``set_language("zh_CN")`` in their first code cell.
+
+Messages are marked with :func:`_` (``gettext``) and :func:`ngettext`; the catalog is the standard gettext pair
+``minivllm/locale/zh_CN/LC_MESSAGES/minivllm.po`` (edited by translators) and ``minivllm.mo`` (compiled from it by
+``python -m minivllm.course.i18n_catalog compile``; a test checks it is up to date). Only the standard library's
+``gettext`` runs here, so the engine stays free of course dependencies; the engine marks only the errors that
+the notebooks provoke on purpose (vLLM's own errors are English only: minivllm keeps English the default).
+
+A message is looked up when it is used, not when a module is imported, so switching the language later changes
+every message printed after the switch.
+"""
+
+from __future__ import annotations
+
+import gettext as _gettext
+import os
+from pathlib import Path
+from typing import Optional
+
+DOMAIN = "minivllm"
+LOCALE_DIR = Path(__file__).resolve().parent / "locale"
+LANGUAGES = ("en", "zh_CN")
+ENV_VAR = "MINIVLLM_LANG"
+
+_ALIASES = {"en": "en", "en_US": "en", "en_GB": "en", "C": "en",
+            "zh": "zh_CN", "zh_CN": "zh_CN", "zh-CN": "zh_CN", "zh_Hans": "zh_CN", "zh-Hans": "zh_CN"}
+
+_language = "en"
+_translation: _gettext.NullTranslations = _gettext.NullTranslations()
+
+
+def _normalise(language: str) -> str:
+    key = language.split(".")[0]  # "zh_CN.UTF-8" -> "zh_CN"
+    if key not in _ALIASES:
+        raise ValueError(f"language must be one of {', '.join(LANGUAGES)} (or an alias such as 'zh'), got {language!r}")
+    return _ALIASES[key]
+
+
+def set_language(language: str) -> str:
+    """Switch every translated message to ``language`` (``"en"`` or ``"zh_CN"``; ``"zh"``/``"zh-CN"`` accepted).
+
+    Returns the normalised language. Raises ``ValueError`` naming the languages for any other value, and
+    ``FileNotFoundError`` if the compiled catalog is missing (a broken install); in both cases nothing changes.
+    """
+    global _language, _translation
+    lang = _normalise(language)
+    if lang == "en":
+        translation: _gettext.NullTranslations = _gettext.NullTranslations()
+    else:
+        mo = LOCALE_DIR / lang / "LC_MESSAGES" / f"{DOMAIN}.mo"
+        if not mo.is_file():
+            raise FileNotFoundError(f"no compiled catalog for {lang}: {mo}")
+        with open(mo, "rb") as f:
+            translation = _gettext.GNUTranslations(f)
+    _language, _translation = lang, translation
+    return lang
+
+
+def get_language() -> str:
+    """The language messages are formatted in now: ``"en"`` or ``"zh_CN"``."""
+    return _language
+
+
+def is_chinese() -> bool:
+    return _language == "zh_CN"
+
+
+def _(message: str) -> str:
+    """``message`` (English, the msgid) in the current language; English when the catalog lacks it."""
+    return _translation.gettext(message)
+
+
+def ngettext(singular: str, plural: str, n: int) -> str:
+    """The form of ``singular``/``plural`` for ``n`` in the current language."""
+    return _translation.ngettext(singular, plural, n)
+
+
+def _from_environment() -> Optional[str]:
+    value = os.environ.get(ENV_VAR)
+    if value:
+        return set_language(value)
+    return None
+
+
+_from_environment()
