@@ -190,7 +190,8 @@ def update(root: Path = NOTEBOOKS_DIR, notebooks: Optional[Iterable[Path]] = Non
             cid, text = cell["id"], _source(cell)
             prev = old.get(cid)
             if prev is not None and prev.id == text:
-                catalog.add(text, prev.string, context=cid, flags=prev.flags, previous_id=prev.previous_id,
+                catalog.add(text, prev.string or memory.get(text, ""), context=cid, flags=prev.flags,
+                            previous_id=prev.previous_id,
                             auto_comments=prev.auto_comments, user_comments=prev.user_comments)
             elif prev is not None and prev.string:
                 changed += 1
