@@ -53,8 +53,6 @@ LANGUAGE_CELL_SOURCE = (
 )
 # Cells of the English edition written in Chinese for its readers; the Chinese edition leaves them out.
 LEFT_OUT = re.compile(r"^## (中文导读|中文小结)\s*\n")
-# Relative links in markdown: [text](target) and <img src="target">.
-_LINK = re.compile(r"(\]\(|src=\")(?!https?:|#|mailto:|data:)([^)\"\s#]+)")
 
 
 def english_notebooks(root: Path = NOTEBOOKS_DIR) -> List[Path]:
@@ -101,10 +99,23 @@ def _dump(nb: dict) -> str:
 
 
 def _read_po(path: Path):
-    from babel.messages.pofile import read_po
+    """The catalog at ``path``, with each fuzzy entry's previous English (``#| msgid``) as ``previous_id``: Babel
+    writes those lines but its reader skips them, and a second ``update`` must not lose them."""
+    from babel.messages.pofile import read_po, unescape
 
     with open(path, "rb") as f:
-        return read_po(f, locale=LOCALE)
+        catalog = read_po(f, locale=LOCALE)
+    previous = {}
+    for block in path.read_text(encoding="utf-8").split("\n\n"):
+        lines = [ln[3:] for ln in block.splitlines() if ln.startswith("#| ")]
+        ctx = re.search(r'^msgctxt (".*")$', block, re.M)
+        if lines and ctx and lines[0].startswith("msgid "):
+            previous[unescape(ctx.group(1))] = "".join(unescape(ln.split(" ", 1)[1] if ln.startswith("msgid ")
+                                                               else ln) for ln in lines)
+    for m in catalog:
+        if m.context in previous:
+            m.previous_id = [previous[m.context]]
+    return catalog
 
 
 def _write_po(path: Path, catalog) -> None:
@@ -117,12 +128,12 @@ def _write_po(path: Path, catalog) -> None:
     path.write_bytes(buf.getvalue())
 
 
-def _new_catalog(english: Path, creation_date=None):
+def _new_catalog(english: Path, root: Path, creation_date=None):
     from babel.messages.catalog import Catalog
 
     return Catalog(locale=LOCALE, project="minivllm course", version=None, creation_date=creation_date,
                    revision_date=creation_date,
-                   header_comment=f"# Chinese (zh_CN) translation of notebooks/{relative(english).as_posix()}\n"
+                   header_comment=f"# Chinese (zh_CN) translation of notebooks/{relative(english, root).as_posix()}\n"
                                   "# One entry per markdown cell: msgctxt is the cell's id, msgid its English text.\n"
                                   "# Built into notebooks/zh-CN/ by: python -m minivllm.course.edition build",
                    fuzzy=False)
@@ -183,7 +194,7 @@ def update(root: Path = NOTEBOOKS_DIR, notebooks: Optional[Iterable[Path]] = Non
             for m in previous:
                 if m.id:
                     old[m.context] = m
-        catalog = _new_catalog(english, created)
+        catalog = _new_catalog(english, root, created)
         new = changed = 0
         cells = [c for c in _load(english)["cells"] if translatable(c)]
         for cell in cells:
@@ -209,22 +220,82 @@ def _translations(english: Path, root: Path) -> Dict[Tuple[str, str], object]:
     return {(m.context, m.id): m for m in _read_po(catalog_path(english, root)) if m.id}
 
 
-def _rewrite_links(text: str, english: Path, target: Path, root: Path) -> str:
+_HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*$", re.M)
+# [text](target#anchor) and [text](#anchor), and <img src="target">.
+_LINK_FULL = re.compile(r"(\]\(|src=\")(?!https?:|mailto:|data:)([^)\"\s#]*)(#[^)\"\s]*)?")
+
+
+def anchor(heading: str) -> str:
+    """JupyterLab's anchor of a markdown heading: its text with backticks dropped and spaces as ``-``."""
+    return heading.replace("`", "").strip().replace(" ", "-")
+
+
+def _headings(text: str) -> List[str]:
+    return [anchor(h) for h in _HEADING.findall(re.sub(r"```.*?```", "", text, flags=re.S))]
+
+
+def anchor_map(english: Path, root: Path = NOTEBOOKS_DIR) -> Dict[str, str]:
+    """English anchor -> Chinese anchor for the headings of ``english``, cell by cell (a translated cell keeps the
+    English cell's headings in order, so the i-th heading of one is the i-th of the other)."""
+    po = catalog_path(english, root)
+    if not po.exists():
+        return {}
+    found = _translations(english, root)
+    out: Dict[str, str] = {}
+    for cell in _load(english)["cells"]:
+        if not translatable(cell):
+            continue
+        m = found.get((cell["id"], _source(cell)))
+        if m is None or not m.string or m.fuzzy:
+            continue
+        en, zh = _headings(_source(cell)), _headings(m.string)
+        if len(en) == len(zh):
+            out.update(zip(en, zh))
+    return out
+
+
+def localized_asset(src: Path, root: Path = NOTEBOOKS_DIR) -> Path:
+    """The Chinese version of a picture, ``<folder>/zh-CN/<name>``, where one exists; else ``src``."""
+    zh = src.parent / "zh-CN" / src.name
+    return zh if zh.exists() else src
+
+
+def _rewrite_links(text: str, english: Path, target: Path, root: Path,
+                   anchors: Optional[Dict[Path, Dict[str, str]]] = None) -> str:
     """Relative links of ``english``'s markdown made to work from ``target``: a notebook that has a Chinese
-    edition links to that edition; any other file (an image, the glossary) is reached from the new folder."""
+    edition links to that edition, at the anchor of the Chinese heading that translates the English one; a picture
+    with a Chinese version (``images/zh-CN/<name>``) is replaced by it; any other file (the glossary) is reached
+    from the new folder."""
+    anchors = {} if anchors is None else anchors
+    editions = {p.resolve() for p in english_notebooks(root)}
 
     def fix(m: re.Match) -> str:
-        prefix, link = m.group(1), m.group(2)
-        src = (english.parent / link).resolve()
+        prefix, link, frag = m.group(1), m.group(2), m.group(3) or ""
+        src = (english.parent / link).resolve() if link else english.resolve()
         if not src.exists():
             return m.group(0)
-        if src.suffix == ".ipynb" and src in {p.resolve() for p in english_notebooks(root)}:
+        if src.suffix == ".ipynb" and src in editions:
+            if src not in anchors:
+                anchors[src] = anchor_map(src, root)
+            if frag:
+                frag = "#" + anchors[src].get(frag[1:], frag[1:])
+            if not link:
+                return prefix + frag
             dest = edition_path(src, root)
         else:
-            dest = src
-        return prefix + os.path.relpath(dest, target.parent.resolve()).replace(os.sep, "/")
+            dest = localized_asset(src, root)
+        return prefix + os.path.relpath(dest, target.parent.resolve()).replace(os.sep, "/") + frag
 
-    return _LINK.sub(fix, text)
+    return _LINK_FULL.sub(fix, text)
+
+
+def _edition_note(english: Path, target: Path, root: Path) -> str:
+    """The line the build adds under each Chinese notebook's title: the English original and the glossary (the
+    English edition links the glossary from its 中文导读 cell, which this edition leaves out)."""
+    up = os.path.relpath(english.resolve(), target.parent.resolve()).replace(os.sep, "/")
+    glossary = os.path.relpath((root / "GLOSSARY.md").resolve(), target.parent.resolve()).replace(os.sep, "/")
+    return (f"> 中文版，由英文版 [`{english.name}`]({up}) 的翻译生成，代码与英文版完全相同；"
+            f"译名以[术语表]({glossary})为准。")
 
 
 def build_notebook(english: Path, root: Path = NOTEBOOKS_DIR, keep_outputs: Optional[dict] = None,
@@ -250,6 +321,8 @@ def build_notebook(english: Path, root: Path = NOTEBOOKS_DIR, keep_outputs: Opti
                 cell["source"] = _lines(_rewrite_links(m.string, english, target, root))
         elif cell["cell_type"] == "code" and cell["id"] in kept and kept[cell["id"]][0] == _source(cell):
             cell["outputs"], cell["execution_count"] = kept[cell["id"]][1]
+        if i == 0:
+            cell["source"] = _lines(_source(cell).rstrip("\n") + "\n\n" + _edition_note(english, target, root))
         cells.append(cell)
         if i == 0:
             lang = {"cell_type": "code", "execution_count": None, "id": LANGUAGE_CELL_ID,
