@@ -132,7 +132,6 @@ def _new_catalog(english: Path, root: Path, creation_date=None):
     from babel.messages.catalog import Catalog
 
     return Catalog(locale=LOCALE, project="minivllm course", version=None, creation_date=creation_date,
-                   revision_date=creation_date,
                    header_comment=f"# Chinese (zh_CN) translation of notebooks/{relative(english, root).as_posix()}\n"
                                   "# One entry per markdown cell: msgctxt is the cell's id, msgid its English text.\n"
                                   "# Built into notebooks/zh-CN/ by: python -m minivllm.course.edition build",
