@@ -129,10 +129,12 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m minivllm.course.grade "$@"
     ;;
   slides)
-    # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed).
+    # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed),
+    # and the Chinese edition's in build/slides/zh-CN/.
     install
     install_node
-    exec "$VENV/bin/python" -m minivllm.course.slides export --out build/slides
+    "$VENV/bin/python" -m minivllm.course.slides export --out build/slides
+    exec "$VENV/bin/python" -m minivllm.course.slides export --edition zh-CN --out build/slides/zh-CN
     ;;
   bench)
     shift

@@ -330,10 +330,23 @@ def build_notebook(english: Path, root: Path = NOTEBOOKS_DIR, keep_outputs: Opti
             if LANGUAGE_CELL_ID in kept and kept[LANGUAGE_CELL_ID][0] == LANGUAGE_CELL_SOURCE:
                 lang["outputs"], lang["execution_count"] = kept[LANGUAGE_CELL_ID][1]
             cells.append(lang)
+    _slide_types(cells, english.stem)
     nb["cells"] = cells
     nb.setdefault("metadata", {})["minivllm"] = {
         "edition": LOCALE, "english": os.path.relpath(english.resolve(), target.parent.resolve()).replace(os.sep, "/")}
     return nb
+
+
+def _slide_types(cells: List[dict], stem: str) -> None:
+    """The slide rule of :mod:`minivllm.course.slides` applied to the Chinese cells (their heights differ from
+    the English ones), with the English deck's budget; the language cell is skipped like a set-up cell."""
+    from minivllm.course import slides
+
+    if stem not in slides.SLIDE_NOTEBOOKS:
+        return
+    rest = [c for c in cells if c["id"] != LANGUAGE_CELL_ID]
+    for cell, t in zip(rest, slides.slide_types(rest, slides.slide_budget(stem))):
+        cell.setdefault("metadata", {})["slideshow"] = {"slide_type": t}
 
 
 def _stored_outputs(path: Path) -> dict:
@@ -390,7 +403,7 @@ def check(root: Path = NOTEBOOKS_DIR) -> Problems:
                 problems.untranslated.append((name, cell["id"], first))
         target = edition_path(english, root)
         if not (problems.untranslated or problems.fuzzy):
-            want = _without_outputs(build_notebook(english, root))
+            want = _without_outputs(build_notebook(english, root, _stored_outputs(target)))
             have = _without_outputs(_load(target)) if target.exists() else None
             if have != want:
                 problems.stale_notebooks.append(relative(target, root).as_posix())

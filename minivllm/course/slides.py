@@ -298,13 +298,13 @@ def source_checkout_dir(path: Path, what: str) -> Path:
     return Path(path)
 
 
-def notebook_paths(names: Iterable[str] = SLIDE_NOTEBOOKS) -> List[Path]:
-    """The ``.ipynb`` files of ``names`` (notebook stems) in ``notebooks/``; FileNotFoundError names a missing one,
-    or the missing folder (``source_checkout_dir``)."""
-    source_checkout_dir(NOTEBOOKS_DIR, "the course notebooks (notebooks/)")
+def notebook_paths(names: Iterable[str] = SLIDE_NOTEBOOKS, folder: Path = NOTEBOOKS_DIR) -> List[Path]:
+    """The ``.ipynb`` files of ``names`` (notebook stems) in ``folder`` (``notebooks/``); FileNotFoundError names a
+    missing one, or the missing folder (``source_checkout_dir``)."""
+    source_checkout_dir(folder, f"the course notebooks ({folder})")
     paths = []
     for name in names:
-        p = NOTEBOOKS_DIR / f"{name}.ipynb"
+        p = Path(folder) / f"{name}.ipynb"
         if not p.is_file():
             raise FileNotFoundError(f"slide notebook {name!r} not found at {p}")
         paths.append(p)
@@ -531,11 +531,13 @@ def copy_assets(node_modules: Path, lib: Path) -> None:
 
 
 def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
-           node_modules: Path = ROOT / "node_modules") -> Dict[str, Path]:
+           node_modules: Path = ROOT / "node_modules", folder: Optional[Path] = None) -> Dict[str, Path]:
     """Export the notebooks ``names`` as reveal.js slides into ``out`` (``<name>.slides.html`` each, an
     ``index.html`` linking them, the assets in ``out/lib`` and ``out/@jupyter-widgets``, the course figures the
     notebooks show in ``out/images``), from their stored outputs: nothing is executed. The folder is
-    self-contained: copy it to the lecture machine and open ``index.html``.
+    self-contained: copy it to the lecture machine and open ``index.html``. ``folder``: where the notebooks are
+    (default ``notebooks/``; ``notebooks/zh-CN`` gives the Chinese edition's decks, whose speaker notes are left
+    out: the run sheets cite the English headings).
 
     Returns:
         ``notebook stem -> HTML file``.
@@ -550,7 +552,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
 
     from minivllm.course.viz.frame import FRAME_CSS_SLIDES
 
-    paths = notebook_paths(names)
+    paths = notebook_paths(names, folder or NOTEBOOKS_DIR)
+    chinese = folder is not None and Path(folder).resolve() != NOTEBOOKS_DIR.resolve()
     images = source_checkout_dir(ROOT / "images", "the course figures (images/)")
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -581,10 +584,10 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
             seen.add(i)
             shown.append(part)
         nb.cells = shown
-        add_notes(nb, notes.get(p.stem, []), p.stem)
+        add_notes(nb, [] if chinese else notes.get(p.stem, []), p.stem)
         body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
         # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
-        body = body.replace('src="../images/', 'src="images/')
+        body = re.sub(r'src="(\.\./)+images/', 'src="images/', body)
         # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
         body = body.replace("</head>", f"<style>{FRAME_CSS_SLIDES}</style>\n</head>", 1)
         remote = check_offline(body)
@@ -610,7 +613,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     sub.add_parser("apply", help="write the rule's slide types into the slide notebooks")
     sub.add_parser("check", help="exit 1 if a slide notebook's metadata differs from the rule")
     e = sub.add_parser("export", help="export the slide notebooks as offline reveal.js slides")
-    e.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: build/slides)")
+    e.add_argument("--out", default=None, help="output folder (default: build/slides, build/slides/zh-CN)")
+    e.add_argument("--edition", choices=["en", "zh-CN"], default="en",
+                   help="the English decks (default) or the Chinese edition's (notebooks/zh-CN)")
     a = p.parse_args(argv)
     if a.cmd == "apply":
         for path in notebook_paths():
@@ -628,7 +633,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         for name in bad:
             print(f"[slides] {name}: slide metadata differs from the rule; run python -m minivllm.course.slides apply")
         return 1 if bad else 0
-    written = export(Path(a.out))
+    zh = a.edition == "zh-CN"
+    out = Path(a.out) if a.out else (DEFAULT_OUT / "zh-CN" if zh else DEFAULT_OUT)
+    written = export(out, folder=NOTEBOOKS_DIR / "zh-CN" if zh else None)
+    a.out = str(out)
     for stem, f in written.items():
         print(f"[slides] {f}")
     print(f"[slides] open {Path(a.out) / 'index.html'} in a browser (no network needed)")
