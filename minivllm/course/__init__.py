@@ -8,3 +8,9 @@ connector mistake of notebook 08), ``calls_view`` (notebook 08's widget of conne
 
 vLLM has no counterpart: these exist to show what the engine does, step by step.
 """
+
+# The course's language switch (English by default; the Chinese edition's notebooks call set_language("zh_CN")):
+# re-exported from minivllm.i18n, where the engine's few translated errors read it too.
+from minivllm.i18n import get_language, set_language  # noqa: E402,F401
+
+__all__ = ["get_language", "set_language"]

@@ -47,7 +47,7 @@ EDITION_DIR = NOTEBOOKS_DIR / "zh-CN"
 LANGUAGE_CELL_ID = "zh-cn-language"
 LANGUAGE_CELL_SOURCE = (
     "# 中文版：本课程包自己的输出（检查器的判定与提示、动画、图表、表格）也用中文。\n"
-    "from minivllm.i18n import set_language\n"
+    "from minivllm.course import set_language\n"
     "\n"
     'set_language("zh_CN")'
 )
