@@ -22,6 +22,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 GLOSSARY = ROOT / "notebooks" / "GLOSSARY.md"
+# The Chinese edition (notebooks/zh-CN, built from notebooks/locale/zh_CN): the same terms hold there.
+EDITION = sorted(p for p in (ROOT / "notebooks" / "zh-CN").rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts)
 README = ROOT / "README.md"
 README_ZH = ROOT / "README.zh-CN.md"
 
@@ -73,10 +75,13 @@ def _chinese_texts():
     """(name, text) of every piece of the course written in Chinese or holding Chinese (the glossary without its
     用词约定 section, which names other texts' words on purpose)."""
     out = [(README_ZH.name, README_ZH.read_text(encoding="utf-8")), (GLOSSARY.name, _glossary_sections()[1])]
-    for path in NOTEBOOKS:
+    for path in NOTEBOOKS + EDITION:
         for i, c in enumerate(_cells(path)):
             if CJK.search(_src(c)):
-                out.append((f"{path.name} cell {i}", _src(c)))
+                out.append((f"{path.relative_to(ROOT / 'notebooks')} cell {i}", _src(c)))
+    for path in [ROOT / "notebooks" / "LECTURERS_GUIDE.zh-CN.md"]:
+        if path.exists():
+            out.append((path.name, path.read_text(encoding="utf-8")))
     return out
 
 
