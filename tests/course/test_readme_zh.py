@@ -39,8 +39,11 @@ def _code_blocks(text):
 
 
 def _commands(text):
-    """The ``./course.sh ...`` and ``python -m ...`` commands named inline or in code blocks."""
-    return sorted(set(re.findall(r"(\./course\.sh [a-z-]+|python -m minivllm(?:\.[a-z_.]+)?(?: [a-z-]+)?)", text)))
+    """The ``./course.sh ...`` and ``python -m ...`` commands named inline or in code blocks. Whitespace is collapsed
+    first, so that a command wrapped inside a code span (``python -m minivllm.course.edition`` / ``build``) is read
+    whole, as Markdown renders it; module names may hold digits (``i18n_catalog``)."""
+    text = re.sub(r"\s+", " ", text)
+    return sorted(set(re.findall(r"(\./course\.sh [a-z-]+|python -m minivllm(?:\.[a-z0-9_.]+)?(?: [a-z-]+)?)", text)))
 
 
 def _zh_sections():
