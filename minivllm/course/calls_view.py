@@ -36,7 +36,7 @@ def connector_calls_html(calls: List[Dict[str, Any]], step: int) -> str:
         f"<tr><td style='{_CELL};color:{'#1565c0' if side == 'scheduler' else '#6a1b9a'}'>{side}</td>"
         f"<td style='{_CELL}'>{escape(text)}</td></tr>"
         for side, text in rows
-    ) or f"<tr><td style='{_CELL}'>{_('no calls')}</td></tr>"
+    ) or f"<tr><td style='{_CELL}'>" + _("no calls") + "</td></tr>"
     title = _("KV connector calls in step {step}").format(step=step)
     return (f"<div data-connector-step='{step}'><b>{title}</b>"
             f"<table style='border-collapse:collapse;margin:4px 0'>{body}</table></div>")

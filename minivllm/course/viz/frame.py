@@ -191,7 +191,7 @@ def _queue(s: StepRecord, queue: str, ids: List[str], colors: Dict[str, str], ti
            changes: Optional[StepChanges] = None) -> str:
     boxes = "".join(_request_box(s, rid, queue, colors.get(rid, "#777777"), changes) for rid in ids)
     if not boxes:
-        boxes = f'<span class="mv-empty">{_("(empty)")}</span>'
+        boxes = '<span class="mv-empty">' + _("(empty)") + "</span>"
     return (
         f'<div class="mv-queue" data-queue="{queue}"><div class="mv-qtitle">{title} '
         f'<span class="mv-dim">({len(ids)})</span></div>{boxes}</div>'
@@ -225,11 +225,12 @@ def _events(s: StepRecord) -> str:
         return " ".join(escape(x) for x in xs) or "&ndash;"
 
     finished = " ".join(f"{escape(r)} ({escape(str(why))})" for r, why in s.finished.items()) or "&ndash;"
+    new, resumed, preempted, done = _("new"), _("resumed"), _("preempted"), _("finished")
     return (
-        f'<div class="mv-events">{_("new")}: <span data-event="new">{ids(s.new)}</span> &middot; '
-        f'{_("resumed")}: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
-        f'{_("preempted")}: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
-        f'{_("finished")}: <span data-event="finished">{finished}</span></div>'
+        f'<div class="mv-events">{new}: <span data-event="new">{ids(s.new)}</span> &middot; '
+        f'{resumed}: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
+        f'{preempted}: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
+        f'{done}: <span data-event="finished">{finished}</span></div>'
     )
 
 
@@ -266,13 +267,14 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Opt
         held = sum(1 for owners in s.block_owners[max_blocks:] if owners)
         tail = '<span class="mv-dim"> &hellip; ' + _("{more} more blocks not drawn ({held} of them held)").format(
             more=more, held=held) + "</span>"
-    legend = f'<span class="mv-legend-changes">{_(_CHANGES_LEGEND)}</span>' if changes else ""
+    legend = '<span class="mv-legend-changes">' + _(_CHANGES_LEGEND) + "</span>" if changes else ""
+    key = _("colour = owner; grey = free; dashed = free but still a cached prefix")
     pool = _("KV block pool: <b>{free}</b> of {total} blocks free").format(free=s.num_free_blocks,
                                                                             total=s.num_gpu_blocks)
     return (
         f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}">'
         f"<div>{pool} "
-        f'<span class="mv-dim">({_("colour = owner; grey = free; dashed = free but still a cached prefix")}'
+        f'<span class="mv-dim">({key}'
         f'{legend})</span>'
         f'</div><div class="mv-pool">{"".join(cells)}{tail}</div></div>'
     )
@@ -285,15 +287,16 @@ def _why(trace: SchedulerTrace, k: int) -> str:
         for r in explain_step(trace, k)
     ) or ('<li data-reason="none" data-cause="">' + _("nothing admitted, preempted or finished, nobody waiting")
           + "</li>")
-    return f'<div class="mv-why"><b>{_("why")}</b><ul>{items}</ul></div>'
+    return '<div class="mv-why"><b>' + _("why") + f"</b><ul>{items}</ul></div>"
 
 
 def _next(trace: SchedulerTrace, k: int) -> str:
     parts = []
     for kind in EVENT_KINDS:
         j = next_event(trace, k, kind)
-        parts.append(f'{_(NEXT_LABELS[kind])}: <span data-next="{kind}" data-step="{"" if j is None else j}">'
-                     f'{"&ndash;" if j is None else _("step {step}").format(step=j)}</span>')
+        label = _(NEXT_LABELS[kind])
+        where = "&ndash;" if j is None else _("step {step}").format(step=j)
+        parts.append(f'{label}: <span data-next="{kind}" data-step="{"" if j is None else j}">{where}</span>')
     return f'<div class="mv-next">{" &middot; ".join(parts)}</div>'
 
 
@@ -304,14 +307,14 @@ def _block_table(s: StepRecord, rid: str, color: str) -> str:
     head = (f'<div class="mv-table" data-request-id="{_attr(rid)}"><div>'
             + _("block table of <b>{request}</b>").format(request=escape(rid)) + " ")
     if snap is None:
-        return head + f'<span class="mv-dim">{_("(not in the engine at this step)")}</span></div></div>'
+        return head + '<span class="mv-dim">' + _("(not in the engine at this step)") + "</span></div></div>"
     if not snap.block_ids:
         return head + ('<span class="mv-dim">' + _("({status}: holds no KV block)").format(status=snap.status.lower())
                        + "</span></div></div>")
     new = set(s.new_block_ids.get(rid, []))
     bs = s.block_size
-    logical, physical, filled = ([f"<th>{_('logical')}</th>"], [f"<th>{_('physical')}</th>"],
-                                 [f"<th>{_('tokens')}</th>"])
+    logical, physical, filled = (["<th>" + _("logical") + "</th>"], ["<th>" + _("physical") + "</th>"],
+                                 ["<th>" + _("tokens") + "</th>"])
     for i, b in enumerate(snap.block_ids):
         shared = len(s.block_owners[b]) > 1 if b < len(s.block_owners) else False
         mark = f' data-new="{int(b in new)}" data-shared="{int(shared)}"'
@@ -376,11 +379,12 @@ def render_frame_html(
         raise ValueError(f"selected must be a request id of the trace, got {selected!r}")
     s = trace[k]
     diff = step_changes(trace, k) if changes else None
+    step_word, of_steps = _("step"), _("of 0&ndash;{last}").format(last=trace[len(trace) - 1].step)
     return (
         (f"<style>{FRAME_CSS}</style>" if with_css else "")
         + f'<div class="mv-frame" data-step="{s.step}">'
-        f'<div class="mv-title"><b>{_("step")} <span class="mv-step">{s.step}</span></b> '
-        f'<span class="mv-dim">{_("of 0&ndash;{last}").format(last=trace[len(trace) - 1].step)}</span></div>'
+        f'<div class="mv-title"><b>{step_word} <span class="mv-step">{s.step}</span></b> '
+        f'<span class="mv-dim">{of_steps}</span></div>'
         f"{_why(trace, k) + _next(trace, k) if explain else ''}"
         f"{_budget(s, colors)}{_events(s)}"
         f'{_queue(s, "waiting", s.waiting, colors, _(WAITING_TITLE), diff)}'
