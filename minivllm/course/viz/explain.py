@@ -330,7 +330,8 @@ def explain_line(trace: SchedulerTrace, k: int) -> str:
     """``explain_step(trace, k)`` as one line, the sentences joined by ``"; "`` (a quiet step says what ran)."""
     reasons = explain_step(trace, k)
     if reasons:
-        return "; ".join(r.text for r in reasons)
+        # Translators: the separator between the sentences of a step's explanation.
+        return _("; ").join(r.text for r in reasons)
     s = trace[k]
     return _("nothing admitted, preempted or finished: {n} running requests computed tokens").format(
         n=len(s.num_scheduled_tokens))

@@ -14,6 +14,7 @@ In English nothing is changed: the English figures are drawn with exactly today'
 from __future__ import annotations
 
 import importlib.util
+import logging
 from pathlib import Path
 
 from minivllm.i18n import is_chinese
@@ -44,6 +45,17 @@ def cjk_font_path() -> Path:
     return path
 
 
+class _NoBoldWarning(logging.Filter):
+    """Drops matplotlib's "findfont: Failed to find font weight bold for Noto Sans CJK SC" lines: ``mplfonts``
+    ships the regular weight only, so bold Chinese labels are drawn regular, as that line says, once per label."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (FONT_NAME in record.getMessage() and "weight" in record.getMessage())
+
+
+_NO_BOLD_WARNING = _NoBoldWarning()
+
+
 def use_language_font() -> None:
     """Make matplotlib able to draw the current language's labels; call it before drawing.
 
@@ -57,6 +69,7 @@ def use_language_font() -> None:
 
     if FONT_NAME not in {f.name for f in font_manager.fontManager.ttflist}:
         font_manager.fontManager.addfont(str(cjk_font_path()))
+        logging.getLogger("matplotlib.font_manager").addFilter(_NO_BOLD_WARNING)
     family = list(matplotlib.rcParams["font.family"])
     if FONT_NAME not in family:
         matplotlib.rcParams["font.family"] = family + [FONT_NAME]

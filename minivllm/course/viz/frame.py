@@ -379,11 +379,12 @@ def render_frame_html(
         raise ValueError(f"selected must be a request id of the trace, got {selected!r}")
     s = trace[k]
     diff = step_changes(trace, k) if changes else None
-    step_word, of_steps = _("step"), _("of 0&ndash;{last}").format(last=trace[len(trace) - 1].step)
+    title = _("step {step}").format(step=f'<span class="mv-step">{s.step}</span>')
+    of_steps = _("of 0&ndash;{last}").format(last=trace[len(trace) - 1].step)
     return (
         (f"<style>{FRAME_CSS}</style>" if with_css else "")
         + f'<div class="mv-frame" data-step="{s.step}">'
-        f'<div class="mv-title"><b>{step_word} <span class="mv-step">{s.step}</span></b> '
+        f'<div class="mv-title"><b>{title}</b> '
         f'<span class="mv-dim">{of_steps}</span></div>'
         f"{_why(trace, k) + _next(trace, k) if explain else ''}"
         f"{_budget(s, colors)}{_events(s)}"
