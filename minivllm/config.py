@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from minivllm.i18n import _
+
 
 @dataclass
 class CacheConfig:
@@ -199,17 +201,21 @@ class ParallelConfig:
         """
         n = self.tensor_parallel_size
         q, kv, inter = hf_config.num_attention_heads, hf_config.num_key_value_heads, hf_config.intermediate_size
-        sizes = f"sizes that work for this model: {tensor_parallel_sizes(hf_config)}"
+        # The three messages are translated (minivllm.i18n): notebook 12 provokes them on purpose.
+        sizes = _("sizes that work for this model: {sizes}").format(sizes=tensor_parallel_sizes(hf_config))
         if q % n:
-            raise ValueError(
-                f"tensor_parallel_size ({n}) must divide the model's {q} query heads (num_attention_heads); it has {kv} "
-                f"KV heads (num_key_value_heads) and intermediate_size {inter}; {sizes}")
+            raise ValueError(_(
+                "tensor_parallel_size ({n}) must divide the model's {q} query heads (num_attention_heads); it has {kv} "
+                "KV heads (num_key_value_heads) and intermediate_size {inter}; {sizes}").format(
+                    n=n, q=q, kv=kv, inter=inter, sizes=sizes))
         if kv % n and n % kv:
-            raise ValueError(
-                f"tensor_parallel_size ({n}) must divide the model's {kv} KV heads (num_key_value_heads) or be a "
-                f"multiple of them (each KV head then replicated on tensor_parallel_size / {kv} ranks); {sizes}")
+            raise ValueError(_(
+                "tensor_parallel_size ({n}) must divide the model's {kv} KV heads (num_key_value_heads) or be a "
+                "multiple of them (each KV head then replicated on tensor_parallel_size / {kv} ranks); {sizes}").format(
+                    n=n, kv=kv, sizes=sizes))
         if inter % n:
-            raise ValueError(f"tensor_parallel_size ({n}) must divide the model's intermediate_size ({inter}); {sizes}")
+            raise ValueError(_("tensor_parallel_size ({n}) must divide the model's intermediate_size ({inter}); "
+                               "{sizes}").format(n=n, inter=inter, sizes=sizes))
 
     def kv_heads_per_rank(self, hf_config: Any) -> int:
         """KV heads each rank's cache holds (vLLM's ``QKVParallelLinear.num_kv_heads``)."""
@@ -218,11 +224,13 @@ class ParallelConfig:
 
 
 def max_model_len_error(num_gpu_blocks: int, block_size: int, max_model_len: int) -> str:
-    """The message of the ``ValueError`` for a KV pool too small for one request of ``max_model_len`` tokens."""
+    """The message of the ``ValueError`` for a KV pool too small for one request of ``max_model_len`` tokens, in
+    the current language (``minivllm.i18n``: notebook 10 provokes it on purpose)."""
     capacity = num_gpu_blocks * block_size
-    return (f"num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
-            f"request of max_model_len ({max_model_len}) tokens: need at least {-(-max_model_len // block_size)} "
-            "blocks, or a smaller max_model_len")
+    return _("num_gpu_blocks ({num_gpu_blocks}) x block_size ({block_size}) = {capacity} tokens cannot hold one "
+             "request of max_model_len ({max_model_len}) tokens: need at least {need} blocks, or a smaller "
+             "max_model_len").format(num_gpu_blocks=num_gpu_blocks, block_size=block_size, capacity=capacity,
+                                     max_model_len=max_model_len, need=-(-max_model_len // block_size))
 
 
 def tensor_parallel_sizes(hf_config: Any) -> list:

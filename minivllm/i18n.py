@@ -79,6 +79,13 @@ def ngettext(singular: str, plural: str, n: int) -> str:
     return _translation.ngettext(singular, plural, n)
 
 
+def N_(message: str) -> str:
+    """Mark ``message`` for the catalog without translating it: for module-level English constants (labels,
+    default titles) that are passed through :func:`_` where they are shown, so that nothing is translated at
+    import time. Returns ``message`` unchanged."""
+    return message
+
+
 def _from_environment() -> Optional[str]:
     value = os.environ.get(ENV_VAR)
     if value:

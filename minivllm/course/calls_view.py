@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 import ipywidgets as widgets
 
 from minivllm.course.recording_connector import format_call
+from minivllm.i18n import _
 
 _CELL = "padding:1px 8px;border-bottom:1px solid #ddd;text-align:left;font-family:monospace;font-size:12px"
 
@@ -26,17 +27,18 @@ def connector_calls_html(calls: List[Dict[str, Any]], step: int) -> str:
             layers.append(d["layer"])
             continue
         if layers:
-            rows.append(("worker", f"save_kv_layer × {len(layers)} (after each layer)"))
+            rows.append(("worker", _("save_kv_layer × {n} (after each layer)").format(n=len(layers))))
             layers = []
         rows.append((d["side"], f"{d['call']}: {format_call(d)}"))
     if layers:
-        rows.append(("worker", f"save_kv_layer × {len(layers)} (after each layer)"))
+        rows.append(("worker", _("save_kv_layer × {n} (after each layer)").format(n=len(layers))))
     body = "".join(
         f"<tr><td style='{_CELL};color:{'#1565c0' if side == 'scheduler' else '#6a1b9a'}'>{side}</td>"
         f"<td style='{_CELL}'>{escape(text)}</td></tr>"
         for side, text in rows
-    ) or f"<tr><td style='{_CELL}'>no calls</td></tr>"
-    return (f"<div data-connector-step='{step}'><b>KV connector calls in step {step}</b>"
+    ) or f"<tr><td style='{_CELL}'>" + _("no calls") + "</td></tr>"
+    title = _("KV connector calls in step {step}").format(step=step)
+    return (f"<div data-connector-step='{step}'><b>{title}</b>"
             f"<table style='border-collapse:collapse;margin:4px 0'>{body}</table></div>")
 
 

@@ -22,6 +22,8 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
+from minivllm.i18n import _
+
 FIGURES: Dict[str, Callable[[Path], None]] = {}
 """``file name -> function(path)`` for every registered figure."""
 
@@ -112,7 +114,7 @@ def timeline_preemption(path: Path) -> None:
 
     trace = preemption_run().trace
     fig, axes = plt.subplots(3, 1, figsize=(10, 7.5), sharex=True, gridspec_kw={"height_ratios": [1.4, 1, 1]})
-    plot_timeline(trace, axes[0], title="6 requests, 12 KV blocks, budget 64 tokens, max_num_seqs 4")
+    plot_timeline(trace, axes[0], title=_("6 requests, 12 KV blocks, budget 64 tokens, max_num_seqs 4"))
     plot_tokens_per_step(trace, axes[1], title="")
     plot_free_blocks(trace, axes[2], title="")
     fig.tight_layout()
@@ -129,10 +131,11 @@ def static_vs_continuous(path: Path) -> None:
     static, cont = batching_runs()
     n = max(static.num_steps, cont.num_steps)
     fig, axes = plt.subplots(2, 1, figsize=(12, 6.5), sharex=True)
-    for ax, run, name in ((axes[0], static, "static batching"), (axes[1], cont, "continuous batching")):
+    for ax, run, name in ((axes[0], static, _("static batching")), (axes[1], cont, _("continuous batching"))):
         occ = batch_occupancy(run.trace).mean()
         plot_timeline(run.trace, ax, arrivals=run.arrivals,
-                      title=f"{name}: {run.num_steps} steps, batch slots used {100 * occ:.0f}% on average")
+                      title=_("{name}: {steps} steps, batch slots used {percent:.0f}% on average").format(
+                          name=name, steps=run.num_steps, percent=100 * occ))
         ax.set_xlim(-0.5, n - 0.5)
     fig.tight_layout()
     _save(fig, path)
@@ -145,20 +148,22 @@ def latency_static_vs_continuous(path: Path) -> None:
     import numpy as np
 
     from minivllm.course.viz import request_latencies
+    from minivllm.course.viz.fonts import use_language_font
 
     static, cont = batching_runs()
     ls, lc = request_latencies(static.trace, static.arrivals), request_latencies(cont.trace, cont.arrivals)
     ids = static.request_ids
     x = np.arange(len(ids))
+    use_language_font()
     fig, ax = plt.subplots(figsize=(9, 3.5))
-    ax.bar(x - 0.2, [ls[r].latency_steps for r in ids], 0.4, label="static batching", color="#bab0ac")
-    ax.bar(x + 0.2, [lc[r].latency_steps for r in cont.request_ids], 0.4, label="continuous batching",
+    ax.bar(x - 0.2, [ls[r].latency_steps for r in ids], 0.4, label=_("static batching"), color="#bab0ac")
+    ax.bar(x + 0.2, [lc[r].latency_steps for r in cont.request_ids], 0.4, label=_("continuous batching"),
            color="#4e79a7")
     outs = [static.outputs[r].outputs[0].token_ids for r in ids]
-    ax.set_xticks(x, [f"{r}\n({len(o)} out)" for r, o in zip(ids, outs)], fontsize=8)
-    ax.set_xlabel("request (output tokens)")
-    ax.set_ylabel("latency [engine steps]")
-    ax.set_title("Latency per request: arrival at step 0 to last token")
+    ax.set_xticks(x, [_("{request}\n({n} out)").format(request=r, n=len(o)) for r, o in zip(ids, outs)], fontsize=8)
+    ax.set_xlabel(_("request (output tokens)"))
+    ax.set_ylabel(_("latency [engine steps]"))
+    ax.set_title(_("Latency per request: arrival at step 0 to last token"))
     ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)

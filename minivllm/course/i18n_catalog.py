@@ -25,7 +25,7 @@ from minivllm.i18n import DOMAIN, LOCALE_DIR
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 POT = LOCALE_DIR / f"{DOMAIN}.pot"
 LOCALES = ("zh_CN",)
-KEYWORDS = {"_": None, "ngettext": (1, 2)}
+KEYWORDS = {"_": None, "ngettext": (1, 2), "N_": None}
 
 
 def po_path(locale: str) -> Path:

@@ -21,6 +21,8 @@ from typing import Dict, List, Optional
 
 import httpx
 
+from minivllm.i18n import _
+
 _GAUGES = {"vllm:num_requests_waiting": "waiting", "vllm:num_requests_running": "running",
            "vllm:kv_cache_usage_perc": "kv_cache_usage", "vllm:num_preemptions_total": "preemptions"}
 
@@ -96,11 +98,12 @@ def frame_html(f: Frame, max_squares: int = 40) -> str:
     return (
         '<div style="font-family:monospace;line-height:1.7">'
         f"t = {f.t:5.2f} s<br>"
-        f'waiting {f.waiting:3d} {squares(f.waiting, "#f0a830")}<br>'
-        f'running {f.running:3d} {squares(f.running, "#3b7dd8")}<br>'
-        f'KV use {pct:5.1f} % <span style="display:inline-block;width:240px;height:11px;background:#ddd">'
+        + _("waiting {n:3d}").format(n=f.waiting) + f' {squares(f.waiting, "#f0a830")}<br>'
+        + _("running {n:3d}").format(n=f.running) + f' {squares(f.running, "#3b7dd8")}<br>'
+        + _("KV use {percent:5.1f} %").format(percent=pct)
+        + ' <span style="display:inline-block;width:240px;height:11px;background:#ddd">'
         f'<span style="display:inline-block;width:{2.4 * pct:.0f}px;height:11px;background:#c0392b"></span></span><br>'
-        f"preemptions so far {f.preemptions}</div>"
+        + _("preemptions so far {n}").format(n=f.preemptions) + "</div>"
     )
 
 
@@ -140,7 +143,7 @@ class QueueWatch:
         if self.display:
             from IPython.display import HTML, display
 
-            self._handle = display(HTML("<i>waiting for the first poll</i>"), display_id=True)
+            self._handle = display(HTML("<i>" + _("waiting for the first poll") + "</i>"), display_id=True)
         self._task = asyncio.ensure_future(self._run())
         return self
 

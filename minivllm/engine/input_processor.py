@@ -14,6 +14,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 
 from minivllm.config import VllmConfig
+from minivllm.i18n import _
 from minivllm.utils.math_utils import cdiv
 from minivllm.core.kv_cache_utils import get_request_block_hasher
 from minivllm.request import Request
@@ -117,13 +118,15 @@ class InputProcessor:
         bs, num_blocks = self.block_size, self.num_gpu_blocks
         need = cdiv(len(ids), bs)
         # Checked before max_model_len (which is <= the cache's capacity) so that the message names the cause.
+        # Both messages are translated (minivllm.i18n): notebook 10 provokes the first on purpose.
         if need > num_blocks:
-            raise ValueError(
-                f"prompt of {len(ids)} tokens needs {need} KV blocks of block_size={bs} but the whole cache has "
-                f"num_gpu_blocks={num_blocks} ({num_blocks * bs} tokens): it could never be scheduled"
-            )
+            raise ValueError(_(
+                "prompt of {tokens} tokens needs {need} KV blocks of block_size={block_size} but the whole cache has "
+                "num_gpu_blocks={num_blocks} ({capacity} tokens): it could never be scheduled").format(
+                    tokens=len(ids), need=need, block_size=bs, num_blocks=num_blocks, capacity=num_blocks * bs))
         if len(ids) > self.max_model_len:
-            raise ValueError(f"prompt length ({len(ids)} tokens) is longer than max_model_len ({self.max_model_len})")
+            raise ValueError(_("prompt length ({tokens} tokens) is longer than max_model_len ({max_model_len})").format(
+                tokens=len(ids), max_model_len=self.max_model_len))
         # Both are kept once per id (SamplingParams), so more entries than the vocabulary has ids means one
         # outside it: said by len() before a scan of each (on the engine thread, under AsyncLLM).
         for name, listed in (("stop_token_ids", params.stop_token_ids), ("logit_bias", params.logit_bias or ())):

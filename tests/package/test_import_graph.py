@@ -30,7 +30,9 @@ PKG = ROOT / "minivllm"
 # layers below it. "minivllm.engine" alone is the engine package's __init__, a leaf of data types
 # (EngineCoreOutput) as in vLLM's vllm/v1/engine/__init__.py; the engine's modules are "minivllm.engine.*".
 LAYERS: List[Tuple[str, List[str]]] = [
-    ("utils", ["minivllm.utils", "minivllm.metrics", "minivllm.config", "minivllm.envs"]),
+    # minivllm.i18n (the language switch, standard library only) sits at the bottom: the engine marks the errors
+    # the notebooks provoke on purpose with its _().
+    ("utils", ["minivllm.utils", "minivllm.metrics", "minivllm.config", "minivllm.envs", "minivllm.i18n"]),
     ("data", ["minivllm.sampling_params", "minivllm.request", "minivllm.outputs", "minivllm.core.block_hash",
               "minivllm.kv_cache_interface", "=minivllm.engine"]),
     # The KV connectors sit beside core: the scheduler calls their scheduler side, and the worker their worker

@@ -22,9 +22,14 @@ from ipywidgets.widgets.widget_string import HTMLStyle
 from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import owner_colors, request_order
 from minivllm.course.viz.explain import EVENT_KINDS, next_event
-from minivllm.course.viz.frame import FRAME_CSS, render_frame_html
+from minivllm.course.viz.frame import FRAME_CSS, NEXT_LABELS, render_frame_html
+from minivllm.i18n import N_, _
 
-_BUTTON_LABELS = {"preemption": "next preemption", "admission": "next admission", "finish": "next finish"}
+_BUTTON_TOOLTIPS = {"preemption": N_("jump to the next step with a preemption"),
+                    "admission": N_("jump to the next step with a admission"),
+                    "finish": N_("jump to the next step with a finish")}
+_NONE = "(none)"
+"""The menu's value for "no block table" (its label is shown through ``_``)."""
 
 
 def _default_selected(trace: SchedulerTrace) -> str:
@@ -105,10 +110,10 @@ class QueueAnimator:
             [widgets.HTML(f, layout=layout, style=style) for f in self.frames], selected_index=start
         )
         self.slider = widgets.IntSlider(
-            value=start, min=0, max=n - 1, step=1, description="step", continuous_update=True,
+            value=start, min=0, max=n - 1, step=1, description=_("step"), continuous_update=True,
             layout=widgets.Layout(width="420px"),
         )
-        self.play = widgets.Play(value=start, min=0, max=n - 1, step=1, interval=interval_ms, description="play")
+        self.play = widgets.Play(value=start, min=0, max=n - 1, step=1, interval=interval_ms, description=_("play"))
         self._links = [
             widgets.jslink((self.play, "value"), (self.slider, "value")),
             # in the browser: works without a kernel (exported HTML)
@@ -116,13 +121,15 @@ class QueueAnimator:
             # in the kernel: keeps the Python-side state equal to what the browser shows
             widgets.dlink((self.slider, "value"), (self.stack, "selected_index")),
         ]
-        self.buttons = {kind: widgets.Button(description=_BUTTON_LABELS[kind], tooltip=f"jump to the next step "
-                                             f"with a {kind}", layout=widgets.Layout(width="auto"))
+        self.buttons = {kind: widgets.Button(description=_(NEXT_LABELS[kind]), tooltip=_(_BUTTON_TOOLTIPS[kind]),
+                                             layout=widgets.Layout(width="auto"))
                         for kind in EVENT_KINDS}
         for kind, button in self.buttons.items():
             button.on_click(lambda _b, kind=kind: self.jump(kind))
-        self.request = widgets.Dropdown(options=["(none)"] + ids, value="(none)" if selected is None else selected,
-                                        description="block table", layout=widgets.Layout(width="260px"))
+        # (label, value) pairs: the label of "none" is translated, the value stays _NONE
+        self.request = widgets.Dropdown(options=[(_("(none)"), _NONE)] + [(i, i) for i in ids],
+                                        value=_NONE if selected is None else selected,
+                                        description=_("block table"), layout=widgets.Layout(width="260px"))
         self.request.observe(self._on_request, names="value")
         self.slider.observe(self._on_step, names="value")
         self._on_step()
@@ -151,12 +158,12 @@ class QueueAnimator:
     def selected(self) -> Optional[str]:
         """The request whose block table the frames draw (``None``: none). Setting it re-renders every frame."""
         v = self.request.value
-        return None if v == "(none)" else v
+        return None if v == _NONE else v
 
     @selected.setter
     def selected(self, rid: Optional[str]) -> None:
-        value = "(none)" if rid is None else rid
-        if value not in self.request.options:
+        value = _NONE if rid is None else rid
+        if value not in [v for _label, v in self.request.options]:
             raise ValueError(f"selected must be None or a request id of the trace, got {rid!r}")
         self.request.value = value
 

@@ -14,6 +14,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 from minivllm.course.trace import StepRecord
 from minivllm.course.viz.colors import FREE_COLOR, PALETTE
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.i18n import _
 
 
 def block_table_arrows(record: StepRecord, request_ids: Optional[Sequence[str]] = None) -> List[Tuple[str, int, int]]:
@@ -54,13 +56,14 @@ def draw_block_table_map(record: StepRecord, block_size: int, ax=None, request_i
     if block_size < 1:
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     arrows = block_table_arrows(record, request_ids)
-    ids = list(dict.fromkeys(rid for rid, _, _ in arrows))
+    use_language_font()
+    ids = list(dict.fromkeys(rid for rid, _i, _b in arrows))
     colors = colors or {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(ids)}
     n_pool = record.num_gpu_blocks
     n_logical = len(arrows) + max(0, len(ids) - 1)  # one empty block's width between requests
     width = max(n_pool, n_logical)
     if ax is None:
-        _, ax = plt.subplots(figsize=(max(6.0, 0.45 * width), 3.2))
+        _fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * width), 3.2))
     # physical pool
     owners = record.block_owners
     for b in range(n_pool):
@@ -69,7 +72,7 @@ def draw_block_table_map(record: StepRecord, block_size: int, ax=None, request_i
         ax.add_patch(Rectangle((b, 0), 0.9, 0.9, facecolor=face, edgecolor="black", linewidth=0.6,
                                alpha=1.0 if who in colors else 0.5))
         ax.text(b + 0.45, -0.15, str(b), ha="center", va="top", fontsize=7)
-    ax.text(-0.4, 0.45, "physical\nblocks", ha="right", va="center", fontsize=8)
+    ax.text(-0.4, 0.45, _("physical\nblocks"), ha="right", va="center", fontsize=8)
     # logical blocks, request by request
     x = (width - n_logical) / 2
     y = 3.0
@@ -89,16 +92,18 @@ def draw_block_table_map(record: StepRecord, block_size: int, ax=None, request_i
                     fontsize=6, color="#555555")
             top[(rid, i)] = x + 0.45
             x += 1
-        ax.text((start + x - 0.1) / 2, y + 1.45, f"{rid}: {r.num_computed_tokens} tokens", ha="center",
+        ax.text((start + x - 0.1) / 2, y + 1.45, _("{request}: {n} tokens").format(request=rid, n=r.num_computed_tokens), ha="center",
                 va="bottom", fontsize=8, color=c, fontweight="bold")
         x += 1
-    ax.text(-0.4, y + 0.45, "logical\nblocks", ha="right", va="center", fontsize=8)
+    ax.text(-0.4, y + 0.45, _("logical\nblocks"), ha="right", va="center", fontsize=8)
     for rid, i, b in arrows:
         ax.annotate("", xy=(b + 0.45, 0.95), xytext=(top[(rid, i)], y - 0.05),
                     arrowprops=dict(arrowstyle="->", color=colors[rid], linewidth=1.0, shrinkA=0, shrinkB=0))
     ax.set_xlim(-2.2, width + 0.2)
     ax.set_ylim(-0.8, y + 2.0)
     ax.axis("off")
-    ax.set_title(f"step {record.step}: block_table[i] maps logical block i (tokens i*{block_size} .. "
-                 f"i*{block_size}+{block_size - 1}) to a physical block", fontsize=9, loc="left")
+    ax.set_title(_("step {step}: block_table[i] maps logical block i (tokens i*{block_size} .. "
+                   "i*{block_size}+{last}) to a physical block").format(step=record.step, block_size=block_size,
+                                                                        last=block_size - 1),
+                 fontsize=9, loc="left")
     return arrows

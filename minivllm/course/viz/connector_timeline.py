@@ -22,6 +22,8 @@ from matplotlib.patches import Rectangle
 
 from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import owner_colors, text_color
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.i18n import N_, _
 
 #: ``(side, lane label)`` from top to bottom.
 LANES: Tuple[Tuple[str, str], ...] = (
@@ -53,7 +55,7 @@ def connector_lanes(trace: SchedulerTrace) -> List[List[Cell]]:
         raise ValueError("trace is empty: nothing to draw")
     if not any(s.connector_calls for s in trace):
         raise ValueError("the trace has no connector calls: record the run with a RecordingConnector")
-    lanes: List[List[Cell]] = [[None] * len(trace) for _ in LANES]
+    lanes: List[List[Cell]] = [[None] * len(trace) for _lane in LANES]
     for k, s in enumerate(trace):
         def put(i: int, rid: Optional[str] = None, label: str = "") -> None:
             cell = lanes[i][k]
@@ -99,7 +101,7 @@ def connector_lanes(trace: SchedulerTrace) -> List[List[Cell]]:
 
 
 def plot_connector_timeline(trace: SchedulerTrace, ax=None, *, steps: Optional[Tuple[int, int]] = None,
-                            title: Optional[str] = "The KV connector's calls, step by step",
+                            title: Optional[str] = N_("The KV connector's calls, step by step"),
                             colors: Optional[Dict[str, str]] = None):
     """Draw ``connector_lanes(trace)``: hooks (rows, scheduler side above the line, worker side below) x steps.
 
@@ -121,9 +123,10 @@ def plot_connector_timeline(trace: SchedulerTrace, ax=None, *, steps: Optional[T
     if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < len(trace)):
         raise ValueError(f"steps must be (first, last) with 0 <= first <= last <= {len(trace) - 1}, got {steps!r}")
     colors = owner_colors(trace) if colors is None else colors
+    use_language_font()
     n = hi - lo + 1
     if ax is None:
-        _, ax = plt.subplots(figsize=(min(3.2 + 0.62 * n, 17), 0.45 * len(LANES) + 1.0))
+        _fig, ax = plt.subplots(figsize=(min(3.2 + 0.62 * n, 17), 0.45 * len(LANES) + 1.0))
     for i, _lane in enumerate(LANES):
         for k in range(lo, hi + 1):
             cell = lanes[i][k]
@@ -146,9 +149,9 @@ def plot_connector_timeline(trace: SchedulerTrace, ax=None, *, steps: Optional[T
     ax.set_ylim(len(LANES) - 0.5, -0.5)
     ax.set_yticks(range(len(LANES)), [f"{side[0].upper()}: {name}" for side, name in LANES], fontsize=8)
     ax.set_xticks(range(n), [str(k) for k in range(lo, hi + 1)], fontsize=7)
-    ax.set_xlabel("engine step   (S: scheduler side, W: worker side; a grey dot: called, about no request)")
+    ax.set_xlabel(_("engine step   (S: scheduler side, W: worker side; a grey dot: called, about no request)"))
     for spine in ("top", "right"):
         ax.spines[spine].set_visible(False)
     if title:
-        ax.set_title(title)
+        ax.set_title(_(title))
     return ax

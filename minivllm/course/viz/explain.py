@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 from minivllm.course.trace import SchedulerTrace, StepRecord
+from minivllm.i18n import _, ngettext
 
 EVENT_KINDS = ("preemption", "admission", "finish")
 """The events the animator can jump to."""
@@ -140,11 +141,7 @@ def next_event(trace: SchedulerTrace, k: int, kind: str) -> Optional[int]:
 
 
 def _ids(xs) -> str:
-    return " ".join(xs) if xs else "(none)"
-
-
-def _are(n: int) -> str:
-    return f"{n} is" if n == 1 else f"{n} are"
+    return " ".join(xs) if xs else _("(none)")
 
 
 def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
@@ -152,11 +149,11 @@ def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
     victims = [r for r in start if r in s.preempted] + [r for r in s.preempted if r not in start]
     if not victims:
         return []
-    new_blocks = [f"{r} got block{'s' if len(b) > 1 else ''} {' '.join(map(str, b))}"
-                  for r, b in s.new_block_ids.items() if b and r in start]
-    need = "a running request needed a new KV block and none was free"
+    new_blocks = [ngettext("{request} got block {blocks}", "{request} got blocks {blocks}", len(b)).format(
+                  request=r, blocks=" ".join(map(str, b))) for r, b in s.new_block_ids.items() if b and r in start]
+    need = _("a running request needed a new KV block and none was free")
     if new_blocks:
-        need += f" ({'; '.join(new_blocks)} in this step)"
+        need += _(" ({blocks} in this step)").format(blocks="; ".join(new_blocks))
     out = []
     remaining = list(start)
     if s.policy == "priority":
@@ -171,12 +168,14 @@ def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
         for v in sorted(victims, key=key, reverse=True):
             worst = max(remaining, key=key) if remaining else None
             if v == worst:
-                text = (f"{v} preempted: {need}; the priority policy preempts the running request with the largest "
-                        f"(priority, arrival time), the least urgent; priorities: {priorities(remaining)}")
+                text = _("{victim} preempted: {need}; the priority policy preempts the running request with the "
+                         "largest (priority, arrival time), the least urgent; priorities: {priorities}").format(
+                    victim=v, need=need, priorities=priorities(remaining))
                 out.append(Reason("preempted", v, "priority_worst", text))
             else:
-                text = (f"{v} preempted, but the worst (priority, arrival time) of the running queue "
-                        f"({priorities(remaining)}) was {worst}: not vLLM's priority rule")
+                text = _("{victim} preempted, but the worst (priority, arrival time) of the running queue "
+                         "({priorities}) was {worst}: not vLLM's priority rule").format(
+                    victim=v, priorities=priorities(remaining), worst=worst)
                 out.append(Reason("preempted", v, "not_worst", text))
             if v in remaining:
                 remaining.remove(v)
@@ -185,14 +184,14 @@ def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
     for v in order:
         queue = _ids(remaining)
         if remaining and remaining[-1] == v:
-            text = (f"{v} preempted: {need}; FCFS preempts the last request of the running queue ({queue}), the "
-                    f"one that arrived last")
+            text = _("{victim} preempted: {need}; FCFS preempts the last request of the running queue ({queue}), "
+                     "the one that arrived last").format(victim=v, need=need, queue=queue)
             out.append(Reason("preempted", v, "fcfs_last", text))
             remaining.pop()
         else:
-            last = remaining[-1] if remaining else "(none)"
-            text = (f"{v} preempted, but the last request of the running queue ({queue}) was {last}: not FCFS's "
-                    f"rule (vLLM preempts the last one)")
+            last = remaining[-1] if remaining else _("(none)")
+            text = _("{victim} preempted, but the last request of the running queue ({queue}) was {last}: not "
+                     "FCFS's rule (vLLM preempts the last one)").format(victim=v, queue=queue, last=last)
             out.append(Reason("preempted", v, "not_last", text))
             if v in remaining:
                 remaining.remove(v)
@@ -211,22 +210,25 @@ def _admissions(s: StepRecord) -> List[Reason]:
         snap = s.requests.get(rid)
         before = s.num_computed_before.get(rid, 0)
         total = snap.num_tokens if snap else before + n
-        cached = f", {before} already cached" if before else ""
+        cached = _(", {n} already cached").format(n=before) if before else ""
         todo = total - before
         if n >= todo:
-            what = f"all {todo} tokens to compute fit the {left} budget tokens left"
+            what = _("all {todo} tokens to compute fit the {left} budget tokens left").format(todo=todo, left=left)
         elif n == left:
-            what = f"{n} of its {todo} tokens to compute, all the budget left"
+            what = _("{n} of its {todo} tokens to compute, all the budget left").format(n=n, todo=todo)
         elif n == s.long_prefill_token_threshold:
-            what = f"{n} of its {todo} tokens to compute (long_prefill_token_threshold)"
+            what = _("{n} of its {todo} tokens to compute (long_prefill_token_threshold)").format(n=n, todo=todo)
         else:
-            what = f"{n} of its {todo} tokens to compute"
+            what = _("{n} of its {todo} tokens to compute").format(n=n, todo=todo)
         nb = len(snap.block_ids) if snap else 0
-        blocks = f" ({nb} KV block{'' if nb == 1 else 's'}{cached})" if snap else ""
+        blocks = ngettext(" ({n} KV block{cached})", " ({n} KV blocks{cached})", nb).format(
+            n=nb, cached=cached) if snap else ""
         if rid in s.resumed:
-            out.append(Reason("resumed", rid, "", f"{rid} resumed after its preemption, next in line: {what}{blocks}"))
+            out.append(Reason("resumed", rid, "", _("{request} resumed after its preemption, next in line: "
+                                                    "{what}{blocks}").format(request=rid, what=what, blocks=blocks)))
         else:
-            out.append(Reason("admitted", rid, "", f"{rid} admitted, next in line: {what}{blocks}"))
+            out.append(Reason("admitted", rid, "", _("{request} admitted, next in line: {what}{blocks}").format(
+                request=rid, what=what, blocks=blocks)))
     return out
 
 
@@ -237,35 +239,45 @@ def _head(s: StepRecord) -> Optional[Reason]:
     rid = h.request_id
     left = s.token_budget - s.total_scheduled
     free, wm = s.num_free_blocks, h.watermark_blocks
-    mark = f" + {wm} watermark" if wm else ""
+    mark = _(" + {n} watermark").format(n=wm) if wm else ""
     if h.status == "WAITING_FOR_REMOTE_KVS":
         return Reason("not_admitted", rid, "loading",
-                      f"{rid} waits: its KV is still arriving from the KV connector")
+                      _("{request} waits: its KV is still arriving from the KV connector").format(request=rid))
     if left <= 0:
         return Reason("not_admitted", rid, "budget",
-                      f"{rid} not admitted: the token budget is spent ({s.total_scheduled} of {s.token_budget} "
-                      f"tokens scheduled)")
+                      _("{request} not admitted: the token budget is spent ({scheduled} of {budget} tokens "
+                        "scheduled)").format(request=rid, scheduled=s.total_scheduled, budget=s.token_budget))
     if s.max_num_seqs and len(s.running) >= s.max_num_seqs:
         return Reason("not_admitted", rid, "max_num_seqs",
-                      f"{rid} not admitted: {_are(len(s.running))} running, max_num_seqs = {s.max_num_seqs}")
+                      ngettext("{request} not admitted: {n} is running, max_num_seqs = {max_num_seqs}",
+                               "{request} not admitted: {n} are running, max_num_seqs = {max_num_seqs}",
+                               len(s.running)).format(request=rid, n=len(s.running), max_num_seqs=s.max_num_seqs))
     if h.num_new_tokens is None:
         return Reason("not_admitted", rid, "no_chunking",
-                      f"{rid} not admitted: its {h.num_tokens - h.num_hit_tokens} tokens to compute exceed the {left} "
-                      f"budget tokens left and chunked prefill is off (a prompt is never split)")
+                      _("{request} not admitted: its {todo} tokens to compute exceed the {left} budget tokens left "
+                        "and chunked prefill is off (a prompt is never split)").format(
+                          request=rid, todo=h.num_tokens - h.num_hit_tokens, left=left))
     if s.reserve_full_isl and h.blocks_for_whole + wm > free:
-        first = (f"; its first chunk of {h.num_new_tokens} tokens alone would fit ({h.blocks_for_chunk} blocks)"
-                 if h.blocks_for_chunk + wm <= free else "")
+        first = (_("; its first chunk of {n} tokens alone would fit ({blocks} blocks)").format(
+                 n=h.num_new_tokens, blocks=h.blocks_for_chunk) if h.blocks_for_chunk + wm <= free else "")
         return Reason("not_admitted", rid, "whole_prompt",
-                      f"{rid} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants {h.blocks_for_whole}"
-                      f"{mark} free blocks for all its {h.num_tokens} tokens and {_are(free)} free{first}")
+                      ngettext("{request} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants "
+                               "{need}{mark} free blocks for all its {tokens} tokens and {free} is free{first}",
+                               "{request} not admitted: the whole-prompt check (scheduler_reserve_full_isl) wants "
+                               "{need}{mark} free blocks for all its {tokens} tokens and {free} are free{first}",
+                               free).format(request=rid, need=h.blocks_for_whole, mark=mark, tokens=h.num_tokens,
+                                            free=free, first=first))
     if h.blocks_for_chunk + wm > free:
         return Reason("not_admitted", rid, "blocks",
-                      f"{rid} not admitted: its next {h.num_new_tokens} tokens need {h.blocks_for_chunk}{mark} KV "
-                      f"blocks and {_are(free)} free")
+                      ngettext("{request} not admitted: its next {n} tokens need {need}{mark} KV blocks and {free} "
+                               "is free",
+                               "{request} not admitted: its next {n} tokens need {need}{mark} KV blocks and {free} "
+                               "are free", free).format(request=rid, n=h.num_new_tokens, need=h.blocks_for_chunk,
+                                                        mark=mark, free=free))
     return Reason("not_admitted", rid, "unexplained",
-                  f"{rid} waits although budget ({left} left), max_num_seqs and blocks ({free} free) would admit it: "
-                  f"the waiting loop stopped for a reason the trace does not record (a modified gate, a KV "
-                  f"connector's lookup, vLLM 0.33's prefill cadence)")
+                  _("{request} waits although budget ({left} left), max_num_seqs and blocks ({free} free) would "
+                    "admit it: the waiting loop stopped for a reason the trace does not record (a modified gate, a "
+                    "KV connector's lookup, vLLM 0.33's prefill cadence)").format(request=rid, left=left, free=free))
 
 
 def explain_step(trace: SchedulerTrace, k: int) -> List[Reason]:
@@ -289,13 +301,14 @@ def explain_step(trace: SchedulerTrace, k: int) -> List[Reason]:
         others = [r for r in s.waiting if r not in s.preempted]
         if admitted:
             out.append(Reason("gate", None, "open_despite_preemption",
-                              "the waiting loop ran although this step preempted: not vLLM's rule (vLLM admits "
-                              "nobody in a step that preempts)"))
+                              _("the waiting loop ran although this step preempted: not vLLM's rule (vLLM admits "
+                                "nobody in a step that preempts)")))
         else:
-            text = ("the waiting loop did not run: the preemption in this step closes the gate (vLLM's "
-                    "'if not preempted_reqs'), so nobody is admitted")
+            text = _("the waiting loop did not run: the preemption in this step closes the gate (vLLM's "
+                     "'if not preempted_reqs'), so nobody is admitted")
             if others:
-                text += f"; {_ids(others)} {'keeps' if len(others) == 1 else 'keep'} waiting"
+                text += ngettext("; {requests} keeps waiting", "; {requests} keep waiting", len(others)).format(
+                    requests=_ids(others))
             out.append(Reason("gate", None, "preemption", text))
     out += _admissions(s)
     if not s.preempted or admitted:
@@ -306,10 +319,10 @@ def explain_step(trace: SchedulerTrace, k: int) -> List[Reason]:
         for rid in s.running:
             if rid not in s.num_scheduled_tokens:
                 out.append(Reason("no_tokens", rid, "budget",
-                                  f"{rid} (running) got no tokens: the running queue is served in order and the "
-                                  f"budget ran out before it"))
+                                  _("{request} (running) got no tokens: the running queue is served in order and "
+                                    "the budget ran out before it").format(request=rid)))
     for rid, why in s.finished.items():
-        out.append(Reason("finished", rid, "", f"{rid} finished ({why})"))
+        out.append(Reason("finished", rid, "", _("{request} finished ({reason})").format(request=rid, reason=why)))
     return out
 
 
@@ -317,6 +330,8 @@ def explain_line(trace: SchedulerTrace, k: int) -> str:
     """``explain_step(trace, k)`` as one line, the sentences joined by ``"; "`` (a quiet step says what ran)."""
     reasons = explain_step(trace, k)
     if reasons:
-        return "; ".join(r.text for r in reasons)
+        # Translators: the separator between the sentences of a step's explanation.
+        return _("; ").join(r.text for r in reasons)
     s = trace[k]
-    return f"nothing admitted, preempted or finished: {len(s.num_scheduled_tokens)} running requests computed tokens"
+    return _("nothing admitted, preempted or finished: {n} running requests computed tokens").format(
+        n=len(s.num_scheduled_tokens))

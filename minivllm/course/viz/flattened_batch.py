@@ -18,6 +18,8 @@ from __future__ import annotations
 from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.course.viz.colors import PALETTE, text_color
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.i18n import _, ngettext
 
 __all__ = ["draw_flattened_batch", "batch_segments"]
 
@@ -82,6 +84,7 @@ def draw_flattened_batch(step: Any, block_size: int, colors: Optional[Dict[str, 
         raise ValueError(f"block_size must be >= 1, got {block_size}")
     x = _inputs_of(step)
     segs = batch_segments(x)
+    use_language_font()
     rids: Sequence[str] = x["req_ids"]
     colors = colors or {rid: PALETTE[i % len(PALETTE)] for i, rid in enumerate(rids)}
     total = x["query_start_loc"][-1]
@@ -92,7 +95,8 @@ def draw_flattened_batch(step: Any, block_size: int, colors: Optional[Dict[str, 
         a, b = s["rows"]
         c = colors.get(s["request"], PALETTE[i % len(PALETTE)])
         ax0.add_patch(Rectangle((a - 0.5, 0), b - a + 1, 1, facecolor=c, edgecolor="black", linewidth=0.8))
-        label = f"{s['request']}: {b - a + 1} row{'s' if b > a else ''}, context {computed[i]}"
+        label = ngettext("{request}: {n} row, context {context}", "{request}: {n} rows, context {context}",
+                         b - a + 1).format(request=s["request"], n=b - a + 1, context=computed[i])
         if b - a + 1 < max(6, total // 12):
             label = s["request"]
         ax0.text((a + b) / 2, 0.5, label, ha="center", va="center", fontsize=8, color=text_color(c))
@@ -102,7 +106,8 @@ def draw_flattened_batch(step: Any, block_size: int, colors: Optional[Dict[str, 
         row = a
         for first, last in s["slots"]:
             blocks = sorted({p // block_size for p in range(first, last + 1)})
-            name = f"block {blocks[0]}" if len(blocks) == 1 else f"blocks {blocks[0]}..{blocks[-1]}"
+            name = (_("block {block}").format(block=blocks[0]) if len(blocks) == 1
+                    else _("blocks {first}..{last}").format(first=blocks[0], last=blocks[-1]))
             ax2.annotate(name, (row, first), textcoords="offset points", xytext=(2, 6), fontsize=7, color=c)
             row += last - first + 1
         lr = s["logits_row"]
@@ -114,23 +119,27 @@ def draw_flattened_batch(step: Any, block_size: int, colors: Optional[Dict[str, 
         ax0.axvline(q - 0.5, color="black", linewidth=0.6)
     from matplotlib.lines import Line2D
 
-    ax0.legend(handles=[Line2D([], [], marker="*", color="black", linestyle="none", label="logits row, token kept"),
+    ax0.legend(handles=[Line2D([], [], marker="*", color="black", linestyle="none", label=_("logits row, token kept")),
                         Line2D([], [], marker="x", color="#777777", linestyle="none",
-                               label="logits row, token discarded (partial prefill)")],
+                               label=_("logits row, token discarded (partial prefill)"))],
                loc="upper center", bbox_to_anchor=(0.5, 1.62), ncol=2, fontsize=7, frameon=False)
     ax0.set_ylim(0, 1.3)
     ax0.set_yticks([])
-    ax0.set_ylabel("requests", fontsize=8)
-    ax1.set_ylabel("positions", fontsize=8)
+    ax0.set_ylabel(_("requests"), fontsize=8)
+    ax1.set_ylabel(_("positions"), fontsize=8)
     ax2.set_ylabel("slot_mapping", fontsize=8)
-    ax2.set_xlabel(f"batch row (query_start_loc = {list(x['query_start_loc'])}; dotted: logits_indices = "
-                   f"{list(x['logits_indices'])})", fontsize=8)
+    ax2.set_xlabel(_("batch row (query_start_loc = {query_start_loc}; dotted: logits_indices = "
+                     "{logits_indices})").format(query_start_loc=list(x["query_start_loc"]),
+                                                 logits_indices=list(x["logits_indices"])), fontsize=8)
     ax2.set_xlim(-0.5, total - 0.5)
     for ax in (ax1, ax2):
         ax.grid(True, linewidth=0.3)
         ax.tick_params(labelsize=8)
     step_no = getattr(step, "step", None)
-    fig.suptitle(title or (f"step {step_no}: " if step_no is not None else "") + f"one flattened batch of {total} "
-                 f"rows, {len(rids)} request{'s' if len(rids) != 1 else ''}", fontsize=10)
+    default = ngettext("one flattened batch of {rows} rows, {n} request",
+                       "one flattened batch of {rows} rows, {n} requests", len(rids)).format(rows=total, n=len(rids))
+    if step_no is not None:
+        default = _("step {step}: ").format(step=step_no) + default
+    fig.suptitle(title or default, fontsize=10)
     fig.tight_layout()
     return fig

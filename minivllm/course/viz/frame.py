@@ -26,6 +26,7 @@ from html import escape
 from typing import Dict, List, Optional
 
 from minivllm.course.trace import SchedulerTrace, StepRecord
+from minivllm.i18n import N_, _
 from minivllm.course.viz.colors import owner_colors, text_color
 from minivllm.course.viz.explain import EVENT_KINDS, StepChanges, explain_step, next_event, step_changes
 
@@ -106,6 +107,12 @@ have no kernel to run the buttons, and with all of it 04's first frame would not
 1280x800)."""
 
 
+WAITING_TITLE = N_("waiting queue (front first)")
+RUNNING_TITLE = N_("running queue (admission order)")
+NEXT_LABELS = {"preemption": N_("next preemption"), "admission": N_("next admission"), "finish": N_("next finish")}
+"""The labels of the next events (also the animator's jump buttons), English; shown through ``_``."""
+
+
 def _stripes(color: str) -> str:
     """CSS background of a prefill chunk: diagonal stripes of the owner's colour on white."""
     return f"repeating-linear-gradient(45deg, {color} 0 6px, #ffffff 6px 10px)"
@@ -125,31 +132,33 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str, changes: Optio
     kind = s.kinds.get(rid, "none") if n else "none"
     badges = []
     if rid in s.new:
-        badges.append(_badge("new", "mv-new"))
+        badges.append(_badge(_("new"), "mv-new"))
     if rid in s.resumed:
-        badges.append(_badge("resumed", "mv-resumed"))
+        badges.append(_badge(_("resumed"), "mv-resumed"))
     if rid in s.preempted:
-        badges.append(_badge("preempted", "mv-preempted"))
+        badges.append(_badge(_("preempted"), "mv-preempted"))
     if rid in s.finished:
-        badges.append(_badge(f"finished ({s.finished[rid]})", "mv-finished"))
+        badges.append(_badge(_("finished ({reason})").format(reason=s.finished[rid]), "mv-finished"))
     if snap is not None:
         before = s.num_computed_before.get(rid, snap.num_computed_tokens)
         computed = (
-            f"computed {before}&rarr;{snap.num_computed_tokens}" if n else f"computed {snap.num_computed_tokens}"
+            _("computed {before}&rarr;{after}").format(before=before, after=snap.num_computed_tokens) if n
+            else _("computed {n}").format(n=snap.num_computed_tokens)
         )
-        counts = f"prompt {snap.num_prompt_tokens} &middot; {computed} &middot; output {snap.num_output_tokens}"
+        counts = _("prompt {prompt} &middot; {computed} &middot; output {output}").format(
+            prompt=snap.num_prompt_tokens, computed=computed, output=snap.num_output_tokens)
         if snap.num_preemptions:
-            counts += f" &middot; preempted &times;{snap.num_preemptions}"
+            counts += _(" &middot; preempted &times;{n}").format(n=snap.num_preemptions)
         if snap.priority:  # only the priority policy sets it; 0 is the default for everyone
-            counts += f" &middot; priority {snap.priority}"
+            counts += _(" &middot; priority {priority}").format(priority=snap.priority)
     else:
         counts = ""
     if kind == "prefill":
-        label = f"prefill chunk +{n}"
+        label = _("prefill chunk +{n}").format(n=n)
         if snap is not None and snap.num_preemptions and snap.num_output_tokens:
-            label = f"prefill (recompute) +{n}"
+            label = _("prefill (recompute) +{n}").format(n=n)
         samples = snap is not None and snap.num_computed_tokens >= snap.num_tokens
-        label += " &rarr; samples a token" if samples else " &middot; no token (partial prompt)"
+        label += _(" &rarr; samples a token") if samples else _(" &middot; no token (partial prompt)")
         chunk = (
             f'<div class="mv-chunk mv-prefill" data-kind="prefill" data-tokens="{n}" '
             f'style="border-color:{color}; background:{_stripes(color)}"><span>{label}</span></div>'
@@ -158,17 +167,19 @@ def _request_box(s: StepRecord, rid: str, queue: str, color: str, changes: Optio
         chunk = (
             f'<div class="mv-chunk mv-decode" data-kind="decode" data-tokens="{n}" '
             f'style="border-color:{color}; background:{color}; color:{text_color(color)}">'
-            f"decode +{n} &rarr; samples a token</div>"
+            + _("decode +{n} &rarr; samples a token").format(n=n) + "</div>"
         )
     elif queue == "running":
-        chunk = '<div class="mv-chunk mv-idle" data-kind="none" data-tokens="0">no tokens this step (budget spent)</div>'
+        chunk = ('<div class="mv-chunk mv-idle" data-kind="none" data-tokens="0">'
+                 + _("no tokens this step (budget spent)") + "</div>")
     else:
         chunk = ""
     changed = ""
     if changes is not None and rid in changes.moved:
         a, b = changes.moved[rid]
-        changed = (f' data-changed="{a or "absent"}-{b}" title="{_attr(rid)}: {a or "not in the engine"} &rarr; {b} '
-                   f'since the step before"')
+        moved = _("{rid}: {before} &rarr; {after} since the step before").format(
+            rid=_attr(rid), before=a or _("not in the engine"), after=b)
+        changed = f' data-changed="{a or "absent"}-{b}" title="{moved}"'
     return (
         f'<div class="mv-req" data-request-id="{_attr(rid)}" data-queue="{queue}" data-kind="{kind}" '
         f'data-tokens="{n}"{changed} style="border-color:{color}"><div><span class="mv-id">{escape(rid)}</span>'
@@ -180,7 +191,7 @@ def _queue(s: StepRecord, queue: str, ids: List[str], colors: Dict[str, str], ti
            changes: Optional[StepChanges] = None) -> str:
     boxes = "".join(_request_box(s, rid, queue, colors.get(rid, "#777777"), changes) for rid in ids)
     if not boxes:
-        boxes = '<span class="mv-empty">(empty)</span>'
+        boxes = '<span class="mv-empty">' + _("(empty)") + "</span>"
     return (
         f'<div class="mv-queue" data-queue="{queue}"><div class="mv-qtitle">{title} '
         f'<span class="mv-dim">({len(ids)})</span></div>{boxes}</div>'
@@ -199,10 +210,12 @@ def _budget(s: StepRecord, colors: Dict[str, str]) -> str:
             f'title="{_attr(rid)}: {s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
             f'background:{background}"></div>'
         )
-    seqs = f" &middot; running {len(s.running)} / max_num_seqs {s.max_num_seqs}" if s.max_num_seqs else ""
+    seqs = (_(" &middot; running {running} / max_num_seqs {max_num_seqs}").format(
+        running=len(s.running), max_num_seqs=s.max_num_seqs) if s.max_num_seqs else "")
+    used_text = _("token budget: <b>{used}</b> / {budget} tokens used").format(used=used, budget=s.token_budget)
     return (
         f'<div class="mv-budget" data-used="{used}" data-budget="{s.token_budget}">'
-        f"<div>token budget: <b>{used}</b> / {s.token_budget} tokens used{seqs}</div>"
+        f"<div>{used_text}{seqs}</div>"
         f'<div class="mv-bar">{"".join(segments)}</div></div>'
     )
 
@@ -212,16 +225,16 @@ def _events(s: StepRecord) -> str:
         return " ".join(escape(x) for x in xs) or "&ndash;"
 
     finished = " ".join(f"{escape(r)} ({escape(str(why))})" for r, why in s.finished.items()) or "&ndash;"
+    new, resumed, preempted, done = _("new"), _("resumed"), _("preempted"), _("finished")
     return (
-        f'<div class="mv-events">new: <span data-event="new">{ids(s.new)}</span> &middot; '
-        f'resumed: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
-        f'preempted: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
-        f'finished: <span data-event="finished">{finished}</span></div>'
+        f'<div class="mv-events">{new}: <span data-event="new">{ids(s.new)}</span> &middot; '
+        f'{resumed}: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
+        f'{preempted}: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
+        f'{done}: <span data-event="finished">{finished}</span></div>'
     )
 
 
-_CHANGES_LEGEND = ('<span class="mv-legend-changes">; amber outline = taken, red = freed since the step '
-                   'before</span>')
+_CHANGES_LEGEND = N_("; amber outline = taken, red = freed since the step before")
 
 
 def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Optional[StepChanges] = None) -> str:
@@ -240,22 +253,29 @@ def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Opt
             else:  # a prefix-cache hit: one block, several owners, one band of colour each
                 stops = ", ".join(f"{c} {100 * i / len(cs):.0f}% {100 * (i + 1) / len(cs):.0f}%" for i, c in enumerate(cs))
                 background = f"linear-gradient(90deg, {stops})"
-            cells.append(head.format("") + f' title="block {b}: held by {_attr(", ".join(owners))}" '
+            held_by = _("block {block}: held by {owners}").format(block=b, owners=_attr(", ".join(owners)))
+            cells.append(head.format("") + f' title="{held_by}" '
                          f'style="background:{background}; color:{text_color(cs[0])}">{b}</span>')
         elif b in cached:
-            cells.append(head.format(" mv-cached") + f' title="block {b}: free, still a cached prefix">{b}</span>')
+            cached_text = _("block {block}: free, still a cached prefix").format(block=b)
+            cells.append(head.format(" mv-cached") + f' title="{cached_text}">{b}</span>')
         else:
             cells.append(head.format(" mv-free") + f">{b}</span>")
     more = len(s.block_owners) - max_blocks
     tail = ""
     if more > 0:
         held = sum(1 for owners in s.block_owners[max_blocks:] if owners)
-        tail = f'<span class="mv-dim"> &hellip; {more} more blocks not drawn ({held} of them held)</span>'
+        tail = '<span class="mv-dim"> &hellip; ' + _("{more} more blocks not drawn ({held} of them held)").format(
+            more=more, held=held) + "</span>"
+    legend = '<span class="mv-legend-changes">' + _(_CHANGES_LEGEND) + "</span>" if changes else ""
+    key = _("colour = owner; grey = free; dashed = free but still a cached prefix")
+    pool = _("KV block pool: <b>{free}</b> of {total} blocks free").format(free=s.num_free_blocks,
+                                                                            total=s.num_gpu_blocks)
     return (
         f'<div class="mv-blocks" data-free="{s.num_free_blocks}" data-total="{s.num_gpu_blocks}">'
-        f"<div>KV block pool: <b>{s.num_free_blocks}</b> of {s.num_gpu_blocks} blocks free "
-        f'<span class="mv-dim">(colour = owner; grey = free; dashed = free but still a cached prefix'
-        f'{_CHANGES_LEGEND if changes else ""})</span>'
+        f"<div>{pool} "
+        f'<span class="mv-dim">({key}'
+        f'{legend})</span>'
         f'</div><div class="mv-pool">{"".join(cells)}{tail}</div></div>'
     )
 
@@ -265,16 +285,18 @@ def _why(trace: SchedulerTrace, k: int) -> str:
         f'<li data-reason="{r.kind}" data-cause="{r.cause}" data-request-id="{_attr(r.request_id or "")}">'
         f"{escape(r.text)}</li>"
         for r in explain_step(trace, k)
-    ) or '<li data-reason="none" data-cause="">nothing admitted, preempted or finished, nobody waiting</li>'
-    return f'<div class="mv-why"><b>why</b><ul>{items}</ul></div>'
+    ) or ('<li data-reason="none" data-cause="">' + _("nothing admitted, preempted or finished, nobody waiting")
+          + "</li>")
+    return '<div class="mv-why"><b>' + _("why") + f"</b><ul>{items}</ul></div>"
 
 
 def _next(trace: SchedulerTrace, k: int) -> str:
     parts = []
     for kind in EVENT_KINDS:
         j = next_event(trace, k, kind)
-        parts.append(f'next {kind}: <span data-next="{kind}" data-step="{"" if j is None else j}">'
-                     f'{"&ndash;" if j is None else f"step {j}"}</span>')
+        label = _(NEXT_LABELS[kind])
+        where = "&ndash;" if j is None else _("step {step}").format(step=j)
+        parts.append(f'{label}: <span data-next="{kind}" data-step="{"" if j is None else j}">{where}</span>')
     return f'<div class="mv-next">{" &middot; ".join(parts)}</div>'
 
 
@@ -282,14 +304,17 @@ def _block_table(s: StepRecord, rid: str, color: str) -> str:
     """``rid``'s block table at step ``s``: one column per logical block with its physical block and the tokens
     written in it by the end of the step (``num_computed_tokens`` after scheduling)."""
     snap = s.requests.get(rid)
-    head = f'<div class="mv-table" data-request-id="{_attr(rid)}"><div>block table of <b>{escape(rid)}</b> '
+    head = (f'<div class="mv-table" data-request-id="{_attr(rid)}"><div>'
+            + _("block table of <b>{request}</b>").format(request=escape(rid)) + " ")
     if snap is None:
-        return head + '<span class="mv-dim">(not in the engine at this step)</span></div></div>'
+        return head + '<span class="mv-dim">' + _("(not in the engine at this step)") + "</span></div></div>"
     if not snap.block_ids:
-        return head + f'<span class="mv-dim">({snap.status.lower()}: holds no KV block)</span></div></div>'
+        return head + ('<span class="mv-dim">' + _("({status}: holds no KV block)").format(status=snap.status.lower())
+                       + "</span></div></div>")
     new = set(s.new_block_ids.get(rid, []))
     bs = s.block_size
-    logical, physical, filled = ["<th>logical</th>"], ["<th>physical</th>"], ["<th>tokens</th>"]
+    logical, physical, filled = (["<th>" + _("logical") + "</th>"], ["<th>" + _("physical") + "</th>"],
+                                 ["<th>" + _("tokens") + "</th>"])
     for i, b in enumerate(snap.block_ids):
         shared = len(s.block_owners[b]) > 1 if b < len(s.block_owners) else False
         mark = f' data-new="{int(b in new)}" data-shared="{int(shared)}"'
@@ -298,8 +323,8 @@ def _block_table(s: StepRecord, rid: str, color: str) -> str:
                         f'color:{text_color(color)}">{b}{"*" if shared else ""}</td>')
         n = min(bs, max(0, snap.num_computed_tokens - i * bs)) if bs else None
         filled.append(f"<td>{'' if n is None else f'{n}/{bs}'}</td>")
-    note = ("amber = given to it in this step (a new block, or its whole table when admitted); * = shared with another request (a prefix-cache hit); tokens = slots "
-            "whose KV is written by the end of this step")
+    note = _("amber = given to it in this step (a new block, or its whole table when admitted); * = shared with "
+             "another request (a prefix-cache hit); tokens = slots whose KV is written by the end of this step")
     return (
         head + f'<span class="mv-dim">({note})</span></div><table><tr>{"".join(logical)}</tr>'
         f'<tr>{"".join(physical)}</tr><tr>{"".join(filled)}</tr></table></div>'
@@ -354,15 +379,17 @@ def render_frame_html(
         raise ValueError(f"selected must be a request id of the trace, got {selected!r}")
     s = trace[k]
     diff = step_changes(trace, k) if changes else None
+    title = _("step {step}").format(step=f'<span class="mv-step">{s.step}</span>')
+    of_steps = _("of 0&ndash;{last}").format(last=trace[len(trace) - 1].step)
     return (
         (f"<style>{FRAME_CSS}</style>" if with_css else "")
         + f'<div class="mv-frame" data-step="{s.step}">'
-        f'<div class="mv-title"><b>step <span class="mv-step">{s.step}</span></b> '
-        f'<span class="mv-dim">of 0&ndash;{trace[len(trace) - 1].step}</span></div>'
+        f'<div class="mv-title"><b>{title}</b> '
+        f'<span class="mv-dim">{of_steps}</span></div>'
         f"{_why(trace, k) + _next(trace, k) if explain else ''}"
         f"{_budget(s, colors)}{_events(s)}"
-        f'{_queue(s, "waiting", s.waiting, colors, "waiting queue (front first)", diff)}'
-        f'{_queue(s, "running", s.running, colors, "running queue (admission order)", diff)}'
+        f'{_queue(s, "waiting", s.waiting, colors, _(WAITING_TITLE), diff)}'
+        f'{_queue(s, "running", s.running, colors, _(RUNNING_TITLE), diff)}'
         f"{_blocks(s, colors, max_blocks, diff)}"
         f"{'' if selected is None else _block_table(s, selected, colors.get(selected, '#777777'))}</div>"
     )

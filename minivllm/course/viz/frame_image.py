@@ -14,6 +14,9 @@ from matplotlib.patches import Rectangle
 
 from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.course.viz.frame import RUNNING_TITLE, WAITING_TITLE
+from minivllm.i18n import _
 
 _W = 12.0  # drawing width in data units
 _MIN_SEG_W = 0.08  # the budget bar's narrowest segment: one decode token of a 2048-token budget stays visible
@@ -25,7 +28,7 @@ def _queue_row(ax, s, ids, y, title, colors):
     y -= 0.1
     per_row = int((_W + _GAP) // (_BOX_W + _GAP))
     if not ids:
-        ax.text(0.1, y - 0.4, "(empty)", fontsize=8, color="#888", va="center")
+        ax.text(0.1, y - 0.4, _("(empty)"), fontsize=8, color="#888", va="center")
         return y - _BOX_H - 0.35
     for i, rid in enumerate(ids):
         x = (i % per_row) * (_BOX_W + _GAP)
@@ -34,21 +37,23 @@ def _queue_row(ax, s, ids, y, title, colors):
         snap = s.requests.get(rid)
         ax.add_patch(Rectangle((x, top - _BOX_H), _BOX_W, _BOX_H, facecolor="white", edgecolor=color, linewidth=2))
         ax.add_patch(Rectangle((x, top - _BOX_H), 0.12, _BOX_H, facecolor=color, edgecolor=color))
-        marks = [w for w, ids_ in (("new", s.new), ("resumed", s.resumed), ("preempted", s.preempted)) if rid in ids_]
+        marks = [_(w) for w, ids_ in (("new", s.new), ("resumed", s.resumed), ("preempted", s.preempted))
+                 if rid in ids_]
         if rid in s.finished:
-            marks.append("finished")
+            marks.append(_("finished"))
         ax.text(x + 0.2, top - 0.08, f"{rid}  " + " ".join(marks), fontsize=8, fontweight="bold", va="top",
                 color="#c62828" if rid in s.preempted else "black")
         if snap is not None:
-            ax.text(x + 0.2, top - 0.36, f"prompt {snap.num_prompt_tokens} out {snap.num_output_tokens}\n"
-                    f"computed {snap.num_computed_tokens}", fontsize=6.5, va="top", linespacing=1.2)
+            ax.text(x + 0.2, top - 0.36, _("prompt {prompt} out {output}\ncomputed {computed}").format(
+                prompt=snap.num_prompt_tokens, output=snap.num_output_tokens, computed=snap.num_computed_tokens),
+                fontsize=6.5, va="top", linespacing=1.2)
         n = s.num_scheduled_tokens.get(rid, 0)
         if n:
             kind = s.kinds[rid]
             ax.add_patch(Rectangle((x + 0.2, top - _BOX_H + 0.06), _BOX_W - 0.3, 0.2,
                                    facecolor="white" if kind == "prefill" else color, edgecolor=color,
                                    hatch="////" if kind == "prefill" else None, linewidth=1))
-            ax.text(x + 0.25, top - _BOX_H + 0.16, f"{'prefill' if kind == 'prefill' else 'decode'} +{n}",
+            ax.text(x + 0.25, top - _BOX_H + 0.16, (_("prefill +{n}") if kind == "prefill" else _("decode +{n}")).format(n=n),
                     fontsize=6.5, va="center", color="black" if kind == "prefill" else text_color(color),
                     bbox=dict(facecolor="white", edgecolor="none", pad=0.5) if kind == "prefill" else None)
     rows = (len(ids) - 1) // per_row + 1
@@ -73,13 +78,16 @@ def draw_frame(
         raise ValueError(f"k must be an int in [0, {len(trace) - 1}], got {k!r}")
     colors = owner_colors(trace) if colors is None else colors
     s = trace[k]
+    use_language_font()
     if ax is None:
         n_rows = 2 + (len(s.waiting) - 1) // 6 + (len(s.running) - 1) // 6 + min(len(s.block_owners), max_blocks) // 40
-        _, ax = plt.subplots(figsize=(9, 3.4 + 0.75 * n_rows))
+        _fig, ax = plt.subplots(figsize=(9, 3.4 + 0.75 * n_rows))
     y = 0.0
     used, budget = s.total_scheduled, max(s.token_budget, 1)
-    seqs = f"   running {len(s.running)} / max_num_seqs {s.max_num_seqs}" if s.max_num_seqs else ""
-    ax.text(0, y, f"step {s.step}    token budget: {used} / {s.token_budget} used{seqs}", fontsize=11,
+    seqs = (_("   running {running} / max_num_seqs {max_num_seqs}").format(
+        running=len(s.running), max_num_seqs=s.max_num_seqs) if s.max_num_seqs else "")
+    ax.text(0, y, _("step {step}    token budget: {used} / {budget} used").format(
+        step=s.step, used=used, budget=s.token_budget) + seqs, fontsize=11,
             fontweight="bold", va="top")
     y -= 0.5
     x = 0.0
@@ -100,14 +108,15 @@ def draw_frame(
         if len(what) * 0.085 < _W - x - 0.2:
             ax.text(x + 0.12, y - 0.15, what, fontsize=7.5, va="center", color="#444")
     y -= 0.55
-    ev = [f"{name}: {' '.join(ids) or '-'}" for name, ids in
+    ev = [f"{_(name)}: {' '.join(ids) or '-'}" for name, ids in
           (("new", s.new), ("resumed", s.resumed), ("preempted", s.preempted), ("finished", list(s.finished)))]
     ax.text(0, y, "    ".join(ev), fontsize=8.5, va="top")
     y -= 0.55
-    y = _queue_row(ax, s, s.waiting, y, "waiting queue (front first)", colors)
-    y = _queue_row(ax, s, s.running, y, "running queue (admission order)", colors)
-    ax.text(0, y, f"KV block pool: {s.num_free_blocks} of {s.num_gpu_blocks} free (colour = owner, grey = free, "
-            "dashed = free cached prefix)", fontsize=9, fontweight="bold", va="bottom")
+    y = _queue_row(ax, s, s.waiting, y, _(WAITING_TITLE), colors)
+    y = _queue_row(ax, s, s.running, y, _(RUNNING_TITLE), colors)
+    ax.text(0, y, _("KV block pool: {free} of {total} free (colour = owner, grey = free, dashed = free cached "
+                    "prefix)").format(free=s.num_free_blocks, total=s.num_gpu_blocks),
+            fontsize=9, fontweight="bold", va="bottom")
     y -= 0.1
     cached = set(s.cached_free_blocks)
     per_row, size = 40, _W / 40

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.core.kv_cache_utils import NONE_HASH
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.i18n import _
 
 HEX = 8  # hex digits of a hash shown
 
@@ -79,6 +81,7 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
     import matplotlib.pyplot as plt
 
     rows = hash_chain_rows(requests, block_size, block_pool)
+    use_language_font()
     seen: Dict[str, int] = {}
     for row in rows.values():
         for b in row:
@@ -90,7 +93,7 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
     tails = {rid: list(by_id[rid].all_token_ids)[len(row) * block_size:] for rid, row in rows.items()}
     width = max([len(row) + (1 if tails[rid] else 0) for rid, row in rows.items()] + [1]) + 1
     if ax is None:
-        _, ax = plt.subplots(figsize=(2.3 * (width + 0.6), 1.35 * len(rows) + 0.4))
+        _fig, ax = plt.subplots(figsize=(2.3 * (width + 0.6), 1.35 * len(rows) + 0.4))
     for y, (rid, row) in enumerate(reversed(list(rows.items()))):
         ax.text(-0.35, y + 0.4, rid, ha="right", va="center", fontsize=10, fontweight="bold")
         ax.text(0, y + 0.4, f"NONE_HASH\n{NONE_HASH.hex()[:HEX]}", ha="left", va="center", fontsize=7, color="grey")
@@ -99,8 +102,8 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
             face = colour.get(b.hash, "#e6e6e6")
             ax.add_patch(plt.Rectangle((x, y + 0.05), 0.8, 0.7, facecolor=face, edgecolor="black", alpha=0.85))
             ax.text(x + 0.4, y + 0.55, " ".join(str(t) for t in b.tokens), ha="center", va="center", fontsize=6.5)
-            ax.text(x + 0.4, y + 0.3, f"hash {b.hash}", ha="center", va="center", fontsize=7, family="monospace")
-            where = "not cached" if b.cached_block_id is None else f"block {b.cached_block_id}"
+            ax.text(x + 0.4, y + 0.3, _("hash {hash}").format(hash=b.hash), ha="center", va="center", fontsize=7, family="monospace")
+            where = _("not cached") if b.cached_block_id is None else _("block {block}").format(block=b.cached_block_id)
             ax.text(x + 0.4, y - 0.05, where, ha="center", va="center", fontsize=6.5, color="dimgrey")
             ax.annotate("", xy=(x, y + 0.4), xytext=(x - 0.2 if b.index else x - 0.3, y + 0.4),
                         arrowprops=dict(arrowstyle="->", color="black", lw=0.8))
@@ -110,13 +113,13 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
             ax.add_patch(plt.Rectangle((x, y + 0.05), 0.8, 0.7, facecolor="white", edgecolor="grey", linestyle="--"))
             ax.text(x + 0.4, y + 0.55, " ".join(str(t) for t in tail), ha="center", va="center", fontsize=6.5,
                     color="grey")
-            ax.text(x + 0.4, y + 0.3, "no hash yet\n(partly filled)", ha="center", va="center", fontsize=6.5,
+            ax.text(x + 0.4, y + 0.3, _("no hash yet\n(partly filled)"), ha="center", va="center", fontsize=6.5,
                     color="grey")
     ax.set_xlim(-0.9, width)
     ax.set_ylim(-0.3, len(rows))
     ax.axis("off")
-    ax.set_title(title or "block-hash chain: hash(block i) = H(hash(block i-1), tokens of block i); "
-                          "same colour = same hash, one shared block", fontsize=9)
+    ax.set_title(title or _("block-hash chain: hash(block i) = H(hash(block i-1), tokens of block i); "
+                            "same colour = same hash, one shared block"), fontsize=9)
     return ax
 
 

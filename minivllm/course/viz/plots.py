@@ -14,12 +14,15 @@ from matplotlib.colors import BoundaryNorm, ListedColormap
 from matplotlib.patches import Patch
 
 from minivllm.course.trace import SchedulerTrace
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.i18n import N_, _
 from minivllm.course.viz.timeline import STATE_COLORS, STATE_NAMES, timeline_states
 
 
 def _axes(ax, size):
+    use_language_font()
     if ax is None:
-        _, ax = plt.subplots(figsize=size)
+        _fig, ax = plt.subplots(figsize=size)
     return ax
 
 
@@ -28,11 +31,12 @@ def plot_timeline(
     ax=None,
     *,
     arrivals: Optional[Dict[str, int]] = None,
-    title: Optional[str] = "What each request did in each step",
+    title: Optional[str] = N_("What each request did in each step"),
     legend: bool = True,
 ):
     """Requests (rows) x steps (columns), each cell coloured by state: waiting, prefill chunk, decode, preempted,
-    running without tokens, or not in the engine (see ``timeline_states``; ``arrivals`` as there).
+    running without tokens, or not in the engine (see ``timeline_states``; ``arrivals`` as there). Labels and the
+    default title are in the current language (``minivllm.i18n``); a ``title`` given is shown through ``_`` too.
 
     Raises ``ValueError`` for an empty trace.
     """
@@ -45,18 +49,18 @@ def plot_timeline(
     ax.imshow(states, aspect="auto", interpolation="nearest", cmap=cmap, norm=norm,
               extent=(-0.5, len(trace) - 0.5, len(ids) - 0.5, -0.5))
     ax.set_yticks(range(len(ids)), ids)
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("request")
+    ax.set_xlabel(_("engine step"))
+    ax.set_ylabel(_("request"))
     # thin white grid lines make single steps countable
     ax.set_xticks(np.arange(-0.5, len(trace), 1), minor=True)
     ax.set_yticks(np.arange(-0.5, len(ids), 1), minor=True)
     ax.grid(which="minor", color="white", linewidth=0.5)
     ax.tick_params(which="minor", length=0)
     if title:
-        ax.set_title(title)
+        ax.set_title(_(title))
     if legend:
         present = sorted(set(np.unique(states).tolist()))
-        handles = [Patch(facecolor=STATE_COLORS[c], edgecolor="#888", label=STATE_NAMES[c]) for c in present]
+        handles = [Patch(facecolor=STATE_COLORS[c], edgecolor="#888", label=_(STATE_NAMES[c])) for c in present]
         ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     return ax
 
@@ -70,16 +74,16 @@ def plot_free_blocks(trace: SchedulerTrace, ax=None, *, label: Optional[str] = N
         raise ValueError("trace is empty: nothing to plot")
     ax = _axes(ax, (7, 3))
     steps = [s.step for s in trace]
-    ax.step(steps, [s.num_free_blocks for s in trace], where="mid", label=label or "free blocks")
+    ax.step(steps, [s.num_free_blocks for s in trace], where="mid", label=label or _("free blocks"))
     ax.axhline(trace[0].num_gpu_blocks, color="#888", linestyle="--", linewidth=1, label="num_gpu_blocks")
     pre = [s.step for s in trace if s.preempted]
     if pre:
         ax.scatter(pre, [trace[p - trace[0].step].num_free_blocks for p in pre], color="#e15759", zorder=3,
-                   marker="v", label="preemption")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("free KV blocks")
+                   marker="v", label=_("preemption"))
+    ax.set_xlabel(_("engine step"))
+    ax.set_ylabel(_("free KV blocks"))
     ax.set_ylim(0, trace[0].num_gpu_blocks * 1.08)
-    ax.set_title(title or "Free KV blocks over time")
+    ax.set_title(_(title) if title else _("Free KV blocks over time"))
     ax.legend(fontsize=8)
     return ax
 
@@ -95,12 +99,12 @@ def plot_tokens_per_step(trace: SchedulerTrace, ax=None, *, title: Optional[str]
     steps = np.array([s.step for s in trace])
     prefill = np.array([sum(n for r, n in s.num_scheduled_tokens.items() if s.kinds[r] == "prefill") for s in trace])
     decode = np.array([sum(n for r, n in s.num_scheduled_tokens.items() if s.kinds[r] == "decode") for s in trace])
-    ax.bar(steps, prefill, width=0.85, color=STATE_COLORS[2], label="prefill tokens")
-    ax.bar(steps, decode, width=0.85, bottom=prefill, color=STATE_COLORS[3], label="decode tokens")
-    ax.axhline(trace[0].token_budget, color="#333", linestyle="--", linewidth=1, label="token budget")
-    ax.set_xlabel("engine step")
-    ax.set_ylabel("tokens in the step")
+    ax.bar(steps, prefill, width=0.85, color=STATE_COLORS[2], label=_("prefill tokens"))
+    ax.bar(steps, decode, width=0.85, bottom=prefill, color=STATE_COLORS[3], label=_("decode tokens"))
+    ax.axhline(trace[0].token_budget, color="#333", linestyle="--", linewidth=1, label=_("token budget"))
+    ax.set_xlabel(_("engine step"))
+    ax.set_ylabel(_("tokens in the step"))
     ax.set_ylim(0, trace[0].token_budget * 1.12)
-    ax.set_title(title or "Tokens per step against the budget (max_num_batched_tokens)")
+    ax.set_title(_(title) if title else _("Tokens per step against the budget (max_num_batched_tokens)"))
     ax.legend(fontsize=8)
     return ax

@@ -18,6 +18,9 @@ from matplotlib.patches import Rectangle
 
 from minivllm.course.trace import SchedulerTrace, StepRecord
 from minivllm.course.viz.colors import FREE_COLOR, owner_colors, text_color
+from minivllm.course.viz.fonts import use_language_font
+from minivllm.course.viz.frame import RUNNING_TITLE, WAITING_TITLE
+from minivllm.i18n import _
 
 _BOX_W, _BOX_H, _GAP = 1.7, 0.95, 0.12
 _BLOCK = 0.62
@@ -105,7 +108,7 @@ def preemption_change(trace: SchedulerTrace, step: Optional[int] = None) -> Pree
             raise ValueError("the trace has no preemption: record a run whose KV cache is too small for its load")
         step = pre[0][0]
     if not isinstance(step, int) or not 1 <= step < len(trace) or not trace[step].preempted:
-        steps = sorted({k for k, _ in trace.preemptions()})
+        steps = sorted({k for k, _rid in trace.preemptions()})
         raise ValueError(f"step must be a step of the trace that preempted (one of {steps}, and not step 0), "
                          f"got {step!r}")
     before = _state_before(trace[step - 1], trace[step])
@@ -121,7 +124,7 @@ def _queue(ax, y: float, title: str, ids: List[str], st: QueueState, colors: Dic
     ax.text(0, y, title, fontsize=8.5, fontweight="bold", va="bottom")
     y -= 0.1
     if not ids:
-        ax.text(0.1, y - 0.35, "(empty)", fontsize=8, color="#888", va="center")
+        ax.text(0.1, y - 0.35, _("(empty)"), fontsize=8, color="#888", va="center")
     for i, rid in enumerate(ids):
         x = i * (_BOX_W + _GAP)
         c = colors.get(rid, "#777777")
@@ -130,14 +133,16 @@ def _queue(ax, y: float, title: str, ids: List[str], st: QueueState, colors: Dic
         ax.add_patch(Rectangle((x, y - _BOX_H), 0.12, _BOX_H, facecolor=c, edgecolor=c))
         ax.text(x + 0.22, y - 0.1, rid, fontsize=9, fontweight="bold", va="top",
                 color=_VICTIM if rid in victims else "black")
-        ax.text(x + 0.22, y - 0.42, f"computed {st.computed.get(rid, 0)}\nof {st.num_tokens.get(rid, 0)} tokens\n"
-                f"{len(st.blocks.get(rid, []))} blocks", fontsize=6.5, va="top", linespacing=1.15)
+        ax.text(x + 0.22, y - 0.42, _("computed {computed}\nof {tokens} tokens\n{blocks} blocks").format(
+                computed=st.computed.get(rid, 0), tokens=st.num_tokens.get(rid, 0),
+                blocks=len(st.blocks.get(rid, []))), fontsize=6.5, va="top", linespacing=1.15)
     return y - _BOX_H - 0.35
 
 
 def _pool(ax, y: float, st: QueueState, colors: Dict[str, str], mark: Dict[int, str]) -> float:
     owner = {b: rid for rid, bs in st.blocks.items() for b in bs}
-    ax.text(0, y, f"KV block pool: {len(st.free_blocks)} of {st.num_gpu_blocks} free", fontsize=8.5,
+    ax.text(0, y, _("KV block pool: {free} of {total} free").format(free=len(st.free_blocks),
+                                                                      total=st.num_gpu_blocks), fontsize=8.5,
             fontweight="bold", va="bottom")
     y -= 0.1
     for b in range(st.num_gpu_blocks):
@@ -158,8 +163,8 @@ def _pool(ax, y: float, st: QueueState, colors: Dict[str, str], mark: Dict[int, 
 def _panel(ax, title: str, st: QueueState, colors: Dict[str, str], victims: List[str],
            mark: Dict[int, str]) -> None:
     ax.text(0, 0, title, fontsize=10.5, fontweight="bold", va="top")
-    y = _queue(ax, -0.55, "waiting queue (front first)", st.waiting, st, colors, victims)
-    y = _queue(ax, y, "running queue (admission order)", st.running, st, colors, victims)
+    y = _queue(ax, -0.55, _(WAITING_TITLE), st.waiting, st, colors, victims)
+    y = _queue(ax, y, _(RUNNING_TITLE), st.running, st, colors, victims)
     y = _pool(ax, y, st, colors, mark)
     width = max(len(st.waiting), len(st.running), 1) * (_BOX_W + _GAP)
     width = max(width, min(st.num_gpu_blocks, _BLOCKS_PER_ROW) * (_BLOCK + 0.06), 6.0)
@@ -179,13 +184,14 @@ def plot_preemption(trace: SchedulerTrace, step: Optional[int] = None,
     """
     ch = preemption_change(trace, step)
     colors = owner_colors(trace) if colors is None else colors
+    use_language_font()
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2))
-    freed_mark = {b: f"{v} frees" for v, bs in ch.freed.items() for b in bs}
-    after_mark = {b: f"now {rid}" for rid, bs in ch.gained.items() for b in bs}
-    after_mark.update({b: "free" for bs in ch.freed.values() for b in bs if b in ch.after.free_blocks})
-    _panel(left, f"before step {ch.step}", ch.before, colors, ch.victims, freed_mark)
-    _panel(right, f"after step {ch.step}'s schedule(): preempted {', '.join(ch.victims)}", ch.after, colors,
-           ch.victims, after_mark)
+    freed_mark = {b: _("{request} frees").format(request=v) for v, bs in ch.freed.items() for b in bs}
+    after_mark = {b: _("now {request}").format(request=rid) for rid, bs in ch.gained.items() for b in bs}
+    after_mark.update({b: _("free") for bs in ch.freed.values() for b in bs if b in ch.after.free_blocks})
+    _panel(left, _("before step {step}").format(step=ch.step), ch.before, colors, ch.victims, freed_mark)
+    _panel(right, _("after step {step}'s schedule(): preempted {victims}").format(
+        step=ch.step, victims=", ".join(ch.victims)), ch.after, colors, ch.victims, after_mark)
     fig.tight_layout()
     return fig, ch
 

@@ -12,10 +12,12 @@ import numpy as np
 
 from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import request_order
+from minivllm.i18n import N_
 
 ABSENT, WAITING, PREFILL, DECODE, PREEMPTED, IDLE = range(6)
-STATE_NAMES = ["not in engine", "waiting", "prefill chunk", "decode", "preempted", "running, no tokens"]
-"""Names of the state codes, indexed by code."""
+STATE_NAMES = [N_("not in engine"), N_("waiting"), N_("prefill chunk"), N_("decode"), N_("preempted"),
+               N_("running, no tokens")]
+"""Names of the state codes, indexed by code (English; the plots show them through ``minivllm.i18n._``)."""
 STATE_COLORS = ["#ffffff", "#d9d9d9", "#f28e2b", "#4e79a7", "#e15759", "#b6d7f2"]
 """Colour of each state code in the timeline plot."""
 

@@ -1,0 +1,78 @@
+"""The font of the pictures in the current language: matplotlib's default for English, a CJK fallback for Chinese.
+
+matplotlib's default font (DejaVu Sans) has no Chinese glyphs: a Chinese label would be drawn as empty boxes (and a
+"Glyph ... missing" warning). Under ``set_language("zh_CN")`` every drawing function of the course calls
+:func:`use_language_font` first; it registers Noto Sans CJK SC, shipped by the PyPI package ``mplfonts`` (installed
+with ``--no-deps``: only its font files are used), and appends it to ``rcParams["font.family"]``. matplotlib (>= 3.6)
+falls back glyph by glyph along ``font.family``, so Latin letters, digits and code names stay in DejaVu Sans and only
+the Chinese characters come from Noto. (A name appended to ``rcParams["font.sans-serif"]`` instead is used only when
+every font before it is missing, never for a missing glyph.)
+
+In English nothing is changed: the English figures are drawn with exactly today's fonts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+from pathlib import Path
+
+from minivllm.i18n import is_chinese
+
+PACKAGE = "mplfonts"
+FONT_FILE = "NotoSansCJKsc-Regular.otf"
+FONT_NAME = "Noto Sans CJK SC"
+
+
+def cjk_font_path() -> Path:
+    """The path of ``mplfonts``' Noto Sans CJK SC font file.
+
+    Found through the package's import spec without importing it (``import mplfonts`` needs its own dependencies,
+    ``fire`` and ``fontmeta``, which the course does not install).
+
+    Raises:
+        ModuleNotFoundError: ``mplfonts`` is not installed (naming the command that installs it).
+        FileNotFoundError: the installed ``mplfonts`` lacks the font file.
+    """
+    spec = importlib.util.find_spec(PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModuleNotFoundError(
+            f"the Chinese figures need the font package {PACKAGE!r} (Noto Sans CJK SC, about 85 MB): "
+            f"pip install --no-deps {PACKAGE} (it is in requirements.txt)", name=PACKAGE)
+    path = Path(list(spec.submodule_search_locations)[0]) / "fonts" / FONT_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{PACKAGE} is installed but has no {FONT_FILE}: {path}")
+    return path
+
+
+class _NoBoldWarning(logging.Filter):
+    """Drops matplotlib's "findfont: Failed to find font weight bold for Noto Sans CJK SC" lines: ``mplfonts``
+    ships the regular weight only, so bold Chinese labels are drawn regular, as that line says, once per label."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (FONT_NAME in record.getMessage() and "weight" in record.getMessage())
+
+
+_NO_BOLD_WARNING = _NoBoldWarning()
+
+
+def use_language_font() -> None:
+    """Make matplotlib able to draw the current language's labels; call it before drawing.
+
+    English: does nothing. Chinese: registers Noto Sans CJK SC once and appends it to ``rcParams["font.family"]``
+    (idempotent). Raises as :func:`cjk_font_path` when ``mplfonts`` is missing, only in Chinese.
+    """
+    if not is_chinese():
+        return
+    import matplotlib
+    from matplotlib import font_manager
+
+    if FONT_NAME not in {f.name for f in font_manager.fontManager.ttflist}:
+        font_manager.fontManager.addfont(str(cjk_font_path()))
+        logging.getLogger("matplotlib.font_manager").addFilter(_NO_BOLD_WARNING)
+    family = list(matplotlib.rcParams["font.family"])
+    if FONT_NAME not in family:
+        matplotlib.rcParams["font.family"] = family + [FONT_NAME]
+
+
+__all__ = ["FONT_NAME", "cjk_font_path", "use_language_font"]
