@@ -22,6 +22,8 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
 * ``MINIVLLM_WORKER_ERROR_FILE`` (internal, unset by default): not a setting. ``MultiprocExecutor`` sets it for each
   worker process it spawns, to the file where a worker that dies while it re-imports an unguarded main script
   leaves its reason (``minivllm.executor.multiproc_executor``); read in that worker.
+* ``MINIVLLM_LANG`` (default unset: English): ``zh_CN`` (or ``zh``) formats the package's learner-facing messages
+  in Chinese (``minivllm.i18n``); read once, when ``minivllm.i18n`` is imported (``set_language`` switches later).
 * ``VLLM_USE_V2_MODEL_RUNNER`` (vLLM's own name, unset by default): ``1`` chooses Model Runner V2, ``0`` the V1
   runner, for an engine built without an explicit ``model_runner`` argument. Unset, minivllm uses V1 (vLLM 0.32
   would choose V2 where Triton runs, see ``SchedulerConfig``). Read when the engine's config is created.
@@ -62,6 +64,7 @@ environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CACHE": lambda: os.environ.get(
         "MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
     ),
+    "MINIVLLM_LANG": lambda: os.environ.get("MINIVLLM_LANG") or None,
     "MINIVLLM_WORKER_ERROR_FILE": lambda: os.environ.get("MINIVLLM_WORKER_ERROR_FILE") or None,
     "MINIVLLM_VLLM_CHECK_MODEL": lambda: os.environ.get("MINIVLLM_VLLM_CHECK_MODEL") or os.path.join(
         environment_variables["MINIVLLM_CACHE"](), "vllm_check", "SmolLM2-135M-Instruct-float32"

@@ -17,7 +17,6 @@ every message printed after the switch.
 from __future__ import annotations
 
 import gettext as _gettext
-import os
 from pathlib import Path
 from typing import Optional
 
@@ -87,7 +86,9 @@ def N_(message: str) -> str:
 
 
 def _from_environment() -> Optional[str]:
-    value = os.environ.get(ENV_VAR)
+    from minivllm import envs
+
+    value = envs.MINIVLLM_LANG
     if value:
         return set_language(value)
     return None
