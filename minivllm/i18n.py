@@ -4,7 +4,8 @@ One switch, read by every translated message when it is formatted: :func:`set_la
 or the environment variable ``MINIVLLM_LANG`` read at import. The Chinese notebooks (``notebooks/zh-CN/``) call
 ``set_language("zh_CN")`` in their first code cell.
 
-Messages are marked with :func:`_` (``gettext``) and :func:`ngettext`; the catalog is the standard gettext pair
+Messages are marked with :func:`_` (``gettext``) and :func:`ngettext` (:func:`N_` marks a module-level constant,
+translated where it is printed); the catalog is the standard gettext pair
 ``minivllm/locale/zh_CN/LC_MESSAGES/minivllm.po`` (edited by translators) and ``minivllm.mo`` (compiled from it by
 ``python -m minivllm.course.i18n_catalog compile``; a test checks it is up to date). Only the standard library's
 ``gettext`` runs here, so the engine stays free of course dependencies; the engine marks only the errors that
@@ -79,9 +80,13 @@ def ngettext(singular: str, plural: str, n: int) -> str:
 
 
 def N_(message: str) -> str:
-    """Mark ``message`` for the catalog without translating it: for module-level English constants (labels,
-    default titles) that are passed through :func:`_` where they are shown, so that nothing is translated at
-    import time. Returns ``message`` unchanged."""
+    """Mark ``message`` for the catalog without translating it: returns it unchanged.
+
+    For English text kept in a module-level constant (a table of hints, a list of known mistakes): the
+    constant is built at import, before any :func:`set_language`, so it stays English and the code that prints
+    it calls ``_(CONST)`` then. ``python -m minivllm.course.i18n_catalog update`` extracts ``N_("...")`` as it
+    extracts ``_("...")``.
+    """
     return message
 
 

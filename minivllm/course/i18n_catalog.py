@@ -1,7 +1,7 @@
 """The gettext catalog of the package's own messages (``minivllm/locale``), kept with Babel.
 
-* ``python -m minivllm.course.i18n_catalog update``: extract every message marked ``_("...")`` or
-  ``ngettext("...", "...", n)`` in ``minivllm/**.py`` (Babel's Python extractor, the ``pybabel extract`` one) into
+* ``python -m minivllm.course.i18n_catalog update``: extract every message marked ``_("...")``, ``N_("...")``
+  (a constant translated where it is printed) or ``ngettext("...", "...", n)`` in ``minivllm/**.py`` (Babel's Python extractor, the ``pybabel extract`` one) into
   ``minivllm/locale/minivllm.pot``, then merge it into ``zh_CN/LC_MESSAGES/minivllm.po``: new messages empty,
   changed ones fuzzy with their old text as ``#| msgid``, gone ones dropped (Babel's ``Catalog.update``);
 * ``compile``: write ``minivllm.mo`` from the ``.po`` (what :mod:`minivllm.i18n` loads, with the standard

@@ -11,14 +11,21 @@ Every checker in ``minivllm.course.exercises`` follows the same contract:
 from __future__ import annotations
 
 import functools
+import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
 import torch
 
+from minivllm.i18n import _
+
 
 class ExerciseFailed(AssertionError):
     """A learner's function gave a wrong answer. The message says which input, what was expected, what came back."""
+
+
+class LearnerRaised(ExerciseFailed):
+    """The learner's function raised an exception on a test input (``call``); the message names the input."""
 
 
 class _NotWrittenYet(Exception):
@@ -32,7 +39,8 @@ class Variant:
 
     Attributes:
         fn: called with the same arguments as the learner's function.
-        hint: one or two sentences: what the mistake is and how to fix it.
+        hint: one or two sentences: what the mistake is and how to fix it, in English, marked with ``N_`` (it is
+            translated when shown, by ``matching_hint``).
     """
 
     fn: Callable
@@ -53,14 +61,13 @@ def checker(exercise: str):
                 n = check(*args, **kwargs)
             except _NotWrittenYet as e:
                 if str(e):  # a value still at its placeholder
-                    print(f"{exercise}: not done yet ({e}). Fill it in, run that cell, then run this cell again.")
+                    print(_("{exercise}: not done yet ({what}). Fill it in, run that cell, then run this cell "
+                            "again.").format(exercise=exercise, what=e))
                 else:
-                    print(
-                        f"{exercise}: not written yet (it raises NotImplementedError). "
-                        "Fill in its body, run that cell, then run this cell again."
-                    )
+                    print(_("{exercise}: not written yet (it raises NotImplementedError). Fill in its body, run "
+                            "that cell, then run this cell again.").format(exercise=exercise))
                 return None
-            print(f"✓ {exercise}: all {n} tests passed")
+            print(_("✓ {exercise}: all {n} tests passed").format(exercise=exercise, n=n))
             return None
 
         return run
@@ -76,18 +83,38 @@ def call(fn: Callable, args: Sequence[Any], exercise: str, case: str) -> Any:
     except NotImplementedError:
         raise _NotWrittenYet() from None
     except Exception as e:  # noqa: BLE001 - any error of the learner's code is reported, not re-raised raw
-        raise ExerciseFailed(
-            f"{exercise} raised {type(e).__name__} on the test input {case}:\n    {e}"
+        raise LearnerRaised(
+            _("{exercise} raised {error} on the test input {case}:").format(
+                exercise=exercise, error=type(e).__name__, case=case) + f"\n    {e}"
         ) from None
 
 
 def fail(exercise: str, case: str, problem: str, hint: Optional[str] = None) -> None:
-    """Raise ``ExerciseFailed`` with the standard layout (test input, what is wrong, hint)."""
+    """Raise ``ExerciseFailed`` with the standard layout (test input, what is wrong, hint); ``case``, ``problem``
+    and ``hint`` come already in the current language."""
     __tracebackhide__ = True
-    msg = f"{exercise} is wrong on the test input {case}:\n    {problem}"
+    msg = _("{exercise} is wrong on the test input {case}:").format(exercise=exercise, case=case) + f"\n    {problem}"
     if hint:
-        msg += f"\n  Hint: {hint}"
+        msg += "\n  " + _("Hint: {hint}").format(hint=hint)
     raise ExerciseFailed(msg)
+
+
+def text_width(text: str) -> int:
+    """Columns ``text`` takes in a terminal or a notebook's monospaced output: 2 for each wide character (Chinese),
+    1 for the others (``unicodedata.east_asian_width``)."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def ljust(text: str, width: int) -> str:
+    """``text`` padded with spaces to ``width`` columns (``str.ljust`` counting a Chinese character as two), so
+    that a table with translated headers or cells stays aligned; English text is padded exactly as by ``ljust``."""
+    return text + " " * max(0, width - text_width(text))
+
+
+def hint_label() -> str:
+    """The word that starts a hint line in ``fail``'s messages, in the current language (``"Hint:"``), so that
+    code adding a hint of its own can tell whether the message has one already."""
+    return _("Hint: {hint}").format(hint="").strip()
 
 
 def _fmt(x: float) -> str:
@@ -109,11 +136,13 @@ def compare_tensors(
     difference.
     """
     if not isinstance(got, torch.Tensor):
-        return f"{what} should be a torch.Tensor, got {type(got).__name__}"
+        return _("{what} should be a torch.Tensor, got {type}").format(what=what, type=type(got).__name__)
     if tuple(got.shape) != tuple(expected.shape):
-        return f"{what} has shape {list(got.shape)}, expected {list(expected.shape)}"
+        return _("{what} has shape {shape}, expected {expected}").format(what=what, shape=list(got.shape),
+                                                                         expected=list(expected.shape))
     if got.dtype != expected.dtype:
-        return f"{what} has dtype {got.dtype}, expected {expected.dtype}"
+        return _("{what} has dtype {dtype}, expected {expected}").format(what=what, dtype=got.dtype,
+                                                                         expected=expected.dtype)
     g = got.detach().to("cpu", torch.float64)
     e = expected.detach().to("cpu", torch.float64)
     bad = ~torch.isclose(g, e, rtol=rtol, atol=atol, equal_nan=equal_nan)
@@ -122,29 +151,29 @@ def compare_tensors(
     idx = tuple(int(i) for i in bad.nonzero()[0])
     diff = (g - e).abs().nan_to_num(nan=float("inf")).max().item()
     where = f"[{', '.join(map(str, idx))}]" if idx else ""
-    msg = (
-        f"{what}{where} is {_fmt(g[idx].item())}, expected {_fmt(e[idx].item())} "
-        f"({int(bad.sum())} of {bad.numel()} entries differ; largest difference {_fmt(diff)}, "
-        f"tolerance atol={atol:g}, rtol={rtol:g})"
-    )
+    msg = _("{what}{where} is {got}, expected {expected} ({bad} of {total} entries differ; largest difference "
+            "{diff}, tolerance atol={atol}, rtol={rtol})").format(
+        what=what, where=where, got=_fmt(g[idx].item()), expected=_fmt(e[idx].item()), bad=int(bad.sum()),
+        total=bad.numel(), diff=_fmt(diff), atol=f"{atol:g}", rtol=f"{rtol:g}")
     if e.numel() <= 8:
         exp_vals = [round(v, 5) for v in e.flatten().tolist()]
         got_vals = [round(v, 5) for v in g.flatten().tolist()]
-        msg += f"\n    expected {exp_vals}\n    got      {got_vals}"
+        msg += _("\n    expected {expected}\n    got      {got}").format(expected=exp_vals, got=got_vals)
     return msg
 
 
 def matching_hint(
     got: Any, args: Sequence[Any], variants: Iterable[Variant], compare: Callable[[Any, Any], Optional[str]]
 ) -> Optional[str]:
-    """The hint of the first known-wrong variant whose output on ``args`` equals ``got``, else ``None``."""
+    """The hint of the first known-wrong variant whose output on ``args`` equals ``got`` (in the current
+    language), else ``None``."""
     for v in variants:
         try:
             wrong = v.fn(*clone_args(args))
         except Exception:  # noqa: BLE001 - a variant that cannot run on this input just does not match
             continue
         if compare(wrong, got) is None:
-            return v.hint
+            return _(v.hint)
     return None
 
 
@@ -173,7 +202,10 @@ def check_cases(
     rtol: float = 1e-4,
     general_hint: Optional[str] = None,
 ) -> int:
-    """Run ``fn`` on ``(description, args, expected)`` cases and compare tensors; returns the number of cases."""
+    """Run ``fn`` on ``(description, args, expected)`` cases and compare tensors; returns the number of cases.
+
+    The descriptions and ``general_hint`` come already in the current language; the variants' hints are
+    translated when shown."""
     __tracebackhide__ = True
     for desc, args, expected in cases:
         got = call(fn, clone_args(args), exercise, desc)
@@ -189,7 +221,7 @@ def not_written(value: Any, name: str) -> None:
     """Raise the harness's "not written yet" signal if ``value`` (called ``name``) is still a notebook's
     placeholder (``None`` or ``...``)."""
     if value is None or value is Ellipsis:
-        raise _NotWrittenYet(f"{name} is still {value!r}")
+        raise _NotWrittenYet(_("{name} is still {value}").format(name=name, value=repr(value)))
 
 
 def use_yours_or_reference(yours: Any, reference: Any, check: Callable, *args: Any, **kwargs: Any) -> Any:
@@ -202,17 +234,18 @@ def use_yours_or_reference(yours: Any, reference: Any, check: Callable, *args: A
     name = getattr(reference, "__name__", "?")
     where = f"{reference.__module__}.{name}"
     if yours is reference:
-        print(f"{name}: the cells below use the package's reference ({where}); run your exercise cell again "
-              f"to use yours")
+        print(_("{name}: the cells below use the package's reference ({where}); run your exercise cell again to "
+                "use yours").format(name=name, where=where))
         return reference
     try:
         check.__wrapped__(yours, *args, **kwargs)
     except _NotWrittenYet:
-        print(f"{name}: not written yet, so the cells below use the package's reference ({where})")
+        print(_("{name}: not written yet, so the cells below use the package's reference ({where})").format(
+            name=name, where=where))
         return reference
     except Exception:  # noqa: BLE001 - any failure of the learner's code means: not yet
-        print(f"{name}: yours does not pass its checker yet (run its cell to see why), so the cells below use the "
-              f"package's reference ({where})")
+        print(_("{name}: yours does not pass its checker yet (run its cell to see why), so the cells below use the "
+                "package's reference ({where})").format(name=name, where=where))
         return reference
-    print(f"{name}: yours passes its checker, so the cells below use yours")
+    print(_("{name}: yours passes its checker, so the cells below use yours").format(name=name))
     return yours

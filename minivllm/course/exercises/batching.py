@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Callable, List
 
 from minivllm.course.exercises._harness import call, checker, fail
+from minivllm.i18n import _
 
 
 def _engine(max_num_seqs: int):
@@ -37,30 +38,33 @@ def check_static_batching(fn: Callable) -> int:
     cases = [(8, 4, 7), (7, 3, 1)]
     for n, bs, seed in cases:
         prompts, params = mixed_requests(n, seed=seed, output_lens=(2, 3, 9))
-        desc = f"{n} requests of mixed_requests({n}, seed={seed}, output_lens=(2, 3, 9)), batch_size={bs}"
+        desc = _("{n} requests of mixed_requests({n}, seed={seed}, output_lens=(2, 3, 9)), batch_size={bs}").format(
+            n=n, seed=seed, bs=bs)
         eng = _engine(bs)
         call(fn, (eng, prompts, params, bs), "static_batching", desc)
         got = eng.trace
         ref = run_static(_engine(bs), prompts, params, bs).trace
         if eng.has_unfinished_requests():
-            fail("static_batching", desc, f"{eng.get_num_unfinished_requests()} requests were still unfinished "
-                 "when the function returned", "keep calling engine.step() while engine.has_unfinished_requests().")
+            fail("static_batching", desc, _("{n} requests were still unfinished when the function returned").format(
+                 n=eng.get_num_unfinished_requests()), _("keep calling engine.step() while engine.has_unfinished_requests()."))
         added = len({r for s in got for r in s.waiting + s.running})  # every request passes through a queue
         if added != n:
-            fail("static_batching", desc, f"{added} requests were added to the engine, expected {n}",
-                 "add every prompt exactly once, with engine.add_request(None, prompt, params).")
+            fail("static_batching", desc, _("{added} requests were added to the engine, expected {n}").format(added=added, n=n),
+                 _("add every prompt exactly once, with engine.add_request(None, prompt, params)."))
         got_b, ref_b = _batches_of(got), _batches_of(ref)
         if len(got_b) < len(ref_b) or any(len(b) > bs for b in got_b):
             biggest = max(len(b) for b in got_b)
             fail("static_batching", desc,
-                 f"the run took {len(got_b)} steps with up to {biggest} requests in the engine at once; static "
-                 f"batching takes {len(ref_b)} steps with at most {bs}",
-                 "add the next batch only after *every* request of the current batch has finished: that is the "
-                 "difference from continuous batching, which the engine already does on its own.")
+                 _("the run took {steps} steps with up to {biggest} requests in the engine at once; static "
+                   "batching takes {expected} steps with at most {bs}").format(steps=len(got_b), biggest=biggest,
+                                                                              expected=len(ref_b), bs=bs),
+                 _("add the next batch only after *every* request of the current batch has finished: that is the "
+                 "difference from continuous batching, which the engine already does on its own."))
         if got_b != ref_b:
             k = next((i for i, (a, b) in enumerate(zip(got_b, ref_b)) if a != b), min(len(got_b), len(ref_b)))
             fail("static_batching", desc,
-                 f"the run took {len(got_b)} steps, expected {len(ref_b)}; first difference at step {k}",
-                 "batches are consecutive prompts: prompts[0:batch_size], prompts[batch_size:2*batch_size], ...; "
-                 "do not step the engine when it has nothing to do.")
+                 _("the run took {steps} steps, expected {expected}; first difference at step {k}").format(
+                     steps=len(got_b), expected=len(ref_b), k=k),
+                 _("batches are consecutive prompts: prompts[0:batch_size], prompts[batch_size:2*batch_size], ...; "
+                 "do not step the engine when it has nothing to do."))
     return len(cases)

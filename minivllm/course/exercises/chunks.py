@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
-from minivllm.course.exercises._harness import call, checker, fail, not_written
+from minivllm.course.exercises._harness import call, checker, fail, ljust, not_written
 from minivllm.course.exercises.scheduling import Workload
+from minivllm.i18n import _
 
 
 @checker("predict_chunks")
@@ -27,7 +28,7 @@ def check_predict_chunks(fn: Callable) -> int:
             eng.add_request(f"d{i}", [7 + i], SamplingParams(temperature=0, max_tokens=1000))
         eng.step()  # the decoders' one-token prompts; from now on they decode
         eng.add_request("p", list(range(1, prompt_len + 1)), SamplingParams(temperature=0, max_tokens=1))
-        for _ in range(prompt_len + 5):  # enough steps for a prompt that gets at least one token per step
+        for _step in range(prompt_len + 5):  # enough steps for a prompt that gets at least one token per step
             if "p" not in eng.scheduler.requests:
                 break
             eng.step()
@@ -35,8 +36,9 @@ def check_predict_chunks(fn: Callable) -> int:
         desc = f"predict_chunks{(prompt_len, budget, num_decoding)}"
         got = call(fn, (prompt_len, budget, num_decoding), "predict_chunks", desc)
         if list(got) != expected:
-            fail("predict_chunks", desc, f"returned {list(got)}, the engine scheduled {expected}",
-                 "running requests are served first: every decoder takes 1 token of the budget in every step.")
+            fail("predict_chunks", desc, _("returned {got}, the engine scheduled {expected}").format(
+                got=list(got), expected=expected),
+                 _("running requests are served first: every decoder takes 1 token of the budget in every step."))
     return len(cases)
 
 
@@ -52,7 +54,7 @@ SHARED_BUDGET_NUM_STEPS = 3
 def shared_budget_engine():
     """The ``SHARED_BUDGET`` engine, stepped up to (not including) step ``SHARED_BUDGET_FIRST_STEP``."""
     eng = SHARED_BUDGET.engine()
-    for _ in range(SHARED_BUDGET_FIRST_STEP):
+    for _step in range(SHARED_BUDGET_FIRST_STEP):
         eng.step()
     return eng
 
@@ -61,22 +63,24 @@ def show_shared_budget() -> None:
     """Print the state the chunk prediction starts from: the budget and every request's counters, queue order."""
     eng = shared_budget_engine()
     waiting, running = eng.scheduler.queue_snapshot()
-    print(f"token budget (max_num_batched_tokens): {eng.scheduler_config.max_num_batched_tokens}; "
-          f"block_size {eng.cache_config.block_size}, free blocks {eng.kv_cache_manager.num_free_blocks}")
-    print(f"before step {SHARED_BUDGET_FIRST_STEP}:")
+    print(_("token budget (max_num_batched_tokens): {budget}; block_size {block_size}, free blocks {free}").format(
+        budget=eng.scheduler_config.max_num_batched_tokens, block_size=eng.cache_config.block_size,
+        free=eng.kv_cache_manager.num_free_blocks))
+    print(_("before step {step}:").format(step=SHARED_BUDGET_FIRST_STEP))
     for queue, ids in (("running", running), ("waiting", waiting)):
         for pos, rid in enumerate(ids):
             r = eng.get_request(rid)
-            status = r.status.name + (f" (preempted {r.num_preemptions}x)" if r.num_preemptions else "")
-            print(f"  {queue}[{pos}] {rid}: {status:24s} prompt {r.num_prompt_tokens:2d}, generated "
-                  f"{r.num_output_tokens:2d}, num_computed_tokens {r.num_computed_tokens:2d}, max_tokens "
-                  f"{r.max_tokens}")
+            status = r.status.name + (_(" (preempted {n}x)").format(n=r.num_preemptions) if r.num_preemptions else "")
+            print(_("  {queue}[{pos}] {rid}: {status} prompt {prompt:2d}, generated {generated:2d}, "
+                    "num_computed_tokens {computed:2d}, max_tokens {max_tokens}").format(
+                queue=queue, pos=pos, rid=rid, status=ljust(status, 24), prompt=r.num_prompt_tokens,
+                generated=r.num_output_tokens, computed=r.num_computed_tokens, max_tokens=r.max_tokens))
 
 
 def shared_budget_chunks() -> List[Dict[str, int]]:
     """What the engine schedules in the ``SHARED_BUDGET_NUM_STEPS`` steps from ``SHARED_BUDGET_FIRST_STEP`` on."""
     eng = shared_budget_engine()
-    for _ in range(SHARED_BUDGET_NUM_STEPS):
+    for _step in range(SHARED_BUDGET_NUM_STEPS):
         eng.step()
     return [dict(s.num_scheduled_tokens) for s in eng.trace.steps[SHARED_BUDGET_FIRST_STEP:]]
 
@@ -96,18 +100,21 @@ def check_chunk_prediction(predicted) -> int:
     expected = shared_budget_chunks()
     ex = "chunk_prediction"
     if not isinstance(predicted, (list, tuple)) or len(predicted) != len(expected):
-        fail(ex, "the prediction", f"expected a list of {len(expected)} dicts (one per step), got {predicted!r}")
+        fail(ex, _("the prediction"), _("expected a list of {n} dicts (one per step), got {value}").format(
+            n=len(expected), value=repr(predicted)))
     for k, (exp, got) in enumerate(zip(expected, predicted)):
         step = SHARED_BUDGET_FIRST_STEP + k
         if not isinstance(got, dict):
-            fail(ex, f"step {step}", f"expected a dict request id -> tokens, got {got!r}")
+            fail(ex, _("step {step}").format(step=step), _("expected a dict request id -> tokens, got {value}").format(
+                value=repr(got)))
         for rid in sorted(set(exp) | set(got)):
             if exp.get(rid, 0) != got.get(rid, 0):
-                hint = ("running requests first, in order, each min(num_tokens - num_computed_tokens, budget left); "
+                hint = _("running requests first, in order, each min(num_tokens - num_computed_tokens, budget left); "
                         "then the waiting queue in order, from its head. A resumed request computes its prompt "
                         "*and* its generated tokens again, chunked like any prefill.")
-                fail(ex, f"step {step}, request {rid!r}", f"predicted {got.get(rid, 0)} tokens, the engine "
-                     f"scheduled {exp.get(rid, 0)}", hint)
+                fail(ex, _("step {step}, request {rid}").format(step=step, rid=repr(rid)),
+                     _("predicted {predicted} tokens, the engine scheduled {expected}").format(
+                         predicted=got.get(rid, 0), expected=exp.get(rid, 0)), hint)
     return len(expected)
 
 

@@ -7,6 +7,7 @@ from typing import Callable, List
 import torch
 
 from minivllm.course.exercises._harness import call, checker, fail
+from minivllm.i18n import N_, _
 
 _VOCAB = 50
 
@@ -40,7 +41,7 @@ class _FakeModel:
 def _reference(prompt, n, eos, *, row=-1, stop_at_eos=True, keep_eos=True, extra=0, with_prompt=False):
     seq = list(prompt)
     out: List[int] = []
-    for _ in range(n + extra):
+    for _step in range(n + extra):
         tok = _next_token(seq if row == -1 else seq[:1])
         if stop_at_eos and eos is not None and tok == eos and not keep_eos:
             break
@@ -51,13 +52,14 @@ def _reference(prompt, n, eos, *, row=-1, stop_at_eos=True, keep_eos=True, extra
     return list(prompt) + out if with_prompt else out
 
 
+#: Known mistakes: (the switches of ``_reference`` that make it, the hint in English; translated where shown).
 _MISTAKES = [
-    (dict(with_prompt=True), "return only the newly generated tokens, not the prompt followed by them."),
-    (dict(row=0), "the next token comes from the logits of the *last* position: logits[-1].argmax()."),
-    (dict(stop_at_eos=False), "stop as soon as the generated token equals eos_token_id (after appending it)."),
-    (dict(keep_eos=False), "keep the EOS token in the output, as vLLM does in token_ids, then stop."),
-    (dict(extra=1), "generate at most max_new_tokens tokens (one too many here)."),
-    (dict(extra=-1), "generate max_new_tokens tokens (one too few here)."),
+    (dict(with_prompt=True), N_("return only the newly generated tokens, not the prompt followed by them.")),
+    (dict(row=0), N_("the next token comes from the logits of the *last* position: logits[-1].argmax().")),
+    (dict(stop_at_eos=False), N_("stop as soon as the generated token equals eos_token_id (after appending it).")),
+    (dict(keep_eos=False), N_("keep the EOS token in the output, as vLLM does in token_ids, then stop.")),
+    (dict(extra=1), N_("generate at most max_new_tokens tokens (one too many here).")),
+    (dict(extra=-1), N_("generate max_new_tokens tokens (one too few here).")),
 ]
 
 
@@ -82,7 +84,8 @@ def check_greedy_generate(fn: Callable) -> int:
     cases = [
         ("prompt [5, 9, 2], max_new_tokens=6, eos_token_id=None", base, 6, None),
         ("prompt [1], max_new_tokens=4, eos_token_id=None", [1], 4, None),
-        (f"prompt [5, 9, 2], max_new_tokens=8, eos_token_id={eos} (generated as the 3rd token)", base, 8, eos),
+        (_("prompt [5, 9, 2], max_new_tokens=8, eos_token_id={eos} (generated as the 3rd token)").format(eos=eos),
+         base, 8, eos),
         ("prompt [7, 7], max_new_tokens=1, eos_token_id=None", [7, 7], 1, None),
     ]
     for desc, prompt, n, e in cases:
@@ -90,23 +93,26 @@ def check_greedy_generate(fn: Callable) -> int:
         prompt_arg = list(prompt)
         got = call(fn, (model, prompt_arg, n, e), "greedy_generate", desc)
         if prompt_arg != prompt:
-            fail("greedy_generate", desc, f"prompt_ids was changed in place to {prompt_arg}",
-                 "copy the prompt first (seq = list(prompt_ids)) and append to the copy.")
+            fail("greedy_generate", desc, _("prompt_ids was changed in place to {prompt}").format(prompt=prompt_arg),
+                 _("copy the prompt first (seq = list(prompt_ids)) and append to the copy."))
         try:
             got_list = [int(t) for t in (got.tolist() if isinstance(got, torch.Tensor) else got)]
         except Exception:  # noqa: BLE001
-            fail("greedy_generate", desc, f"expected a list of token ids, got {type(got).__name__}: {got!r}")
+            fail("greedy_generate", desc, _("expected a list of token ids, got {type}: {value}").format(
+                type=type(got).__name__, value=repr(got)))
         expected = _reference(prompt, n, e)
         if got_list != expected:
-            hint = next((h for kw, h in _MISTAKES if _reference(prompt, n, e, **kw) == got_list), None)
+            hint = next((_(h) for kw, h in _MISTAKES if _reference(prompt, n, e, **kw) == got_list), None)
             if hint is None and model.calls and any(len(c) < len(prompt) + i for i, c in enumerate(model.calls)):
-                hint = "without a cache, pass the whole sequence (prompt + tokens so far) to forward at every step."
-            fail("greedy_generate", desc, f"expected tokens {expected}, got {got_list}", hint)
+                hint = _("without a cache, pass the whole sequence (prompt + tokens so far) to forward at every step.")
+            fail("greedy_generate", desc, _("expected tokens {expected}, got {got}").format(expected=expected, got=got_list), hint)
         expected_calls = [list(prompt) + expected[:i] for i in range(len(expected))]
         if model.calls != expected_calls:
             fail("greedy_generate", desc,
-                 f"forward was called {len(model.calls)} times with sequence lengths {[len(c) for c in model.calls]}; "
-                 f"expected {len(expected_calls)} calls with lengths {[len(c) for c in expected_calls]}",
-                 "call forward once per generated token, on prompt + all tokens generated so far.")
+                 _("forward was called {n} times with sequence lengths {lengths}; expected {expected_n} calls with "
+                   "lengths {expected_lengths}").format(n=len(model.calls), lengths=[len(c) for c in model.calls],
+                                                       expected_n=len(expected_calls),
+                                                       expected_lengths=[len(c) for c in expected_calls]),
+                 _("call forward once per generated token, on prompt + all tokens generated so far."))
     return len(cases)
 

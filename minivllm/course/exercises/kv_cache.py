@@ -9,10 +9,11 @@ import torch
 from minivllm.course.exercises._harness import Variant, _NotWrittenYet, call, check_cases, checker, compare_tensors, fail
 from minivllm.course.exercises._reference import attention_ref, contiguous_attention
 from minivllm.course.exercises.layers import _attn_variants
+from minivllm.i18n import N_, _, ngettext
 
 
 def _describe(steps: List[str]) -> str:
-    return "; ".join(steps) if steps else "a new cache"
+    return "; ".join(steps) if steps else _("a new cache")
 
 
 @checker("KVCache")
@@ -43,11 +44,12 @@ def check_kv_cache(cls: Callable) -> int:
             k, v = torch.randn(n_new, hkv, d, generator=g), torch.randn(n_new, hkv, d, generator=g)
             held[layer][0].append(k)
             held[layer][1].append(v)
-            steps.append(f"append(layer={layer}, {n_new} token{'s' if n_new > 1 else ''})")
+            steps.append(ngettext("append(layer={layer}, {n} token)", "append(layer={layer}, {n} tokens)",
+                                  n_new).format(layer=layer, n=n_new))
             desc = _describe(steps)
             out = call(lambda *a: cache.append(*a), (layer, k.clone(), v.clone()), "KVCache.append", desc)
             if not isinstance(out, tuple) or len(out) != 2:
-                fail("KVCache.append", desc, f"expected a tuple (k_all, v_all), got {type(out).__name__}")
+                fail("KVCache.append", desc, _("expected a tuple (k_all, v_all), got {type}").format(type=type(out).__name__))
             exp_k, exp_v = torch.cat(held[layer][0]), torch.cat(held[layer][1])
             for name, exp, got in (("k_all", exp_k, out[0]), ("v_all", exp_v, out[1])):
                 problem = compare_tensors(exp, got, what=name, atol=0, rtol=0)
@@ -55,46 +57,46 @@ def check_kv_cache(cls: Callable) -> int:
                     continue
                 hint = None
                 if isinstance(got, torch.Tensor) and tuple(got.shape) == (n_new, hkv, d) and exp.shape[0] != n_new:
-                    hint = "return every token held for this layer so far, not only the ones just appended."
+                    hint = _("return every token held for this layer so far, not only the ones just appended.")
                 elif isinstance(got, torch.Tensor) and got.dim() == 3 and got.shape[0] == max_len:
-                    hint = "return only the rows filled so far (storage[:length]), not the whole reserved buffer."
+                    hint = _("return only the rows filled so far (storage[:length]), not the whole reserved buffer.")
                 elif isinstance(got, torch.Tensor) and got.dim() == 3 and got.shape[0] > exp.shape[0]:
-                    hint = ("each layer keeps its own length: layer 1's tokens go after layer 1's earlier tokens "
-                            "(keep a length per layer, not one shared counter).")
+                    hint = (_("each layer keeps its own length: layer 1's tokens go after layer 1's earlier tokens "
+                            "(keep a length per layer, not one shared counter)."))
                 elif isinstance(got, torch.Tensor) and tuple(got.shape) == tuple(exp.shape):
                     other = exp_v if name == "k_all" else exp_k
                     if torch.equal(got, other):
-                        hint = "keys and values are swapped."
+                        hint = _("keys and values are swapped.")
                     elif torch.equal(got[-n_new:], exp[-n_new:]) or torch.equal(got[:n_new], exp[-n_new:]):
-                        hint = ("earlier tokens were overwritten: write the new ones at rows [length, length + T) "
-                                "of this layer, after the ones already held.")
+                        hint = (_("earlier tokens were overwritten: write the new ones at rows [length, length + T) "
+                                "of this layer, after the ones already held."))
                 fail("KVCache.append", desc, problem, hint)
     n_tests += 1
 
     # 2) a second instance shares nothing with the first.
-    other = new_cache("a second KVCache next to the first")
+    other = new_cache(_("a second KVCache next to the first"))
     k, v = torch.randn(2, hkv, d, generator=g), torch.randn(2, hkv, d, generator=g)
-    desc = "a second, new KVCache: append(layer=0, 2 tokens) while the first cache holds 8 tokens"
+    desc = _("a second, new KVCache: append(layer=0, 2 tokens) while the first cache holds 8 tokens")
     out = call(lambda *a: other.append(*a), (0, k, v), "KVCache.append", desc)
     problem = compare_tensors(k, out[0] if isinstance(out, tuple) else out, what="k_all", atol=0, rtol=0)
     if problem is not None:
         fail("KVCache.append", desc, problem,
-             "create the storage in __init__ (self.kv = torch.zeros(...)), not as a class attribute shared by all "
-             "caches.")
+             _("create the storage in __init__ (self.kv = torch.zeros(...)), not as a class attribute shared by all "
+             "caches."))
     n_tests += 1
 
     # 3) the cache keeps its dtype (bfloat16 halves the bytes per token).
-    desc = "KVCache(..., dtype=torch.bfloat16), append(layer=0, 3 bfloat16 tokens)"
+    desc = _("KVCache(..., dtype=torch.bfloat16), append(layer=0, 3 bfloat16 tokens)")
     bf = new_cache(desc, torch.bfloat16)
     k, v = torch.randn(3, hkv, d, generator=g).bfloat16(), torch.randn(3, hkv, d, generator=g).bfloat16()
     out = call(lambda *a: bf.append(*a), (0, k, v), "KVCache.append", desc)
     problem = compare_tensors(k, out[0] if isinstance(out, tuple) else out, what="k_all", atol=0, rtol=0)
     if problem is not None:
-        fail("KVCache.append", desc, problem, "allocate the storage with the `dtype` given to __init__.")
+        fail("KVCache.append", desc, problem, _("allocate the storage with the `dtype` given to __init__."))
     n_tests += 1
 
     # 4) at most max_model_len tokens: the storage was reserved for exactly that many.
-    desc = "max_model_len=12: append(layer=0, 10 tokens), then append(layer=0, 3 tokens)"
+    desc = _("max_model_len=12: append(layer=0, 10 tokens), then append(layer=0, 3 tokens)")
     full = new_cache(desc)
     call(lambda *a: full.append(*a), (0, torch.zeros(10, hkv, d), torch.zeros(10, hkv, d)), "KVCache.append", desc)
     try:
@@ -104,11 +106,11 @@ def check_kv_cache(cls: Callable) -> int:
     except NotImplementedError:
         raise _NotWrittenYet() from None
     except Exception as e:  # noqa: BLE001
-        fail("KVCache.append", desc, f"raised {type(e).__name__}: {e}",
-             "check the length yourself and raise ValueError naming max_model_len before writing anything.")
+        fail("KVCache.append", desc, _("raised {error}: {message}").format(error=type(e).__name__, message=e),
+             _("check the length yourself and raise ValueError naming max_model_len before writing anything."))
     else:
-        fail("KVCache.append", desc, "13 tokens were accepted by a cache of 12 slots",
-             "raise ValueError when length + T > max_model_len.")
+        fail("KVCache.append", desc, _("13 tokens were accepted by a cache of 12 slots"),
+             _("raise ValueError when length + T > max_model_len."))
     n_tests += 1
     return n_tests
 
@@ -128,10 +130,10 @@ def check_cached_attention(fn: Callable) -> int:
     """
     g = torch.Generator().manual_seed(7)
     shapes = [
-        ("prefill: T=5 new tokens, num_computed=0 (nothing cached), 4 query / 2 KV heads", 0, 5, 4, 2, 8),
-        ("decode: T=1 new token at position 8, num_computed=8 (keys 0..8), 4 query / 2 KV heads", 8, 1, 4, 2, 8),
-        ("a chunk: T=3 new tokens at positions 5..7, num_computed=5, 9 query / 3 KV heads", 5, 3, 9, 3, 16),
-        ("decode: T=1 new token at position 0, num_computed=0", 0, 1, 2, 1, 8),
+        (_("prefill: T=5 new tokens, num_computed=0 (nothing cached), 4 query / 2 KV heads"), 0, 5, 4, 2, 8),
+        (_("decode: T=1 new token at position 8, num_computed=8 (keys 0..8), 4 query / 2 KV heads"), 8, 1, 4, 2, 8),
+        (_("a chunk: T=3 new tokens at positions 5..7, num_computed=5, 9 query / 3 KV heads"), 5, 3, 9, 3, 16),
+        (_("decode: T=1 new token at position 0, num_computed=0"), 0, 1, 2, 1, 8),
     ]
     cases = []
     for desc, n, t, h, hkv, d in shapes:
@@ -140,8 +142,8 @@ def check_cached_attention(fn: Callable) -> int:
         cases.append((desc, (q, k, v, n), contiguous_attention(q, k, v, n)))
     variants = [
         Variant(lambda q, k, v, n: attention_ref(q, k, v, n, mask="top_left"),
-                "row i of q is the token at position num_computed + i, so it may see keys 0..num_computed + i. "
+                N_("row i of q is the token at position num_computed + i, so it may see keys 0..num_computed + i. "
                 "A mask aligned to the top-left corner (torch.tril(ones(T, S)), or SDPA's is_causal=True) lets a "
-                "decode token see only key 0. Shift the diagonal right by num_computed.")
+                "decode token see only key 0. Shift the diagonal right by num_computed."))
     ] + _attn_variants(with_context=True)
     return check_cases("cached_attention", fn, cases, variants)

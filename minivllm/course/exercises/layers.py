@@ -11,6 +11,7 @@ from typing import Callable, Optional
 import torch
 
 from minivllm.course.exercises._harness import Variant, check_cases, checker
+from minivllm.i18n import N_, _
 from minivllm.course.exercises._reference import (
     attention_ref,
     contiguous_attention,
@@ -48,25 +49,25 @@ def check_rms_norm(fn: Callable) -> int:
             return m(x)
 
     raw = [
-        ("x [4, 8] random, weight random, eps=1e-5", _rand(g, 4, 8), _rand(g, 8), 1e-5),
-        ("x [2, 3, 16] (3-D: normalise over the last dimension only), eps=1e-6", _rand(g, 2, 3, 16, scale=3.0),
+        (_("x [4, 8] random, weight random, eps=1e-5"), _rand(g, 4, 8), _rand(g, 8), 1e-5),
+        (_("x [2, 3, 16] (3-D: normalise over the last dimension only), eps=1e-6"), _rand(g, 2, 3, 16, scale=3.0),
          _rand(g, 16), 1e-6),
-        ("x [2, 8] all zeros, weight random, eps=1e-5 (eps keeps 0 / 0 away)", torch.zeros(2, 8), _rand(g, 8), 1e-5),
-        ("x [3, 8] with values near 1e-3, eps=1e-2 (eps inside the square root matters here)",
+        (_("x [2, 8] all zeros, weight random, eps=1e-5 (eps keeps 0 / 0 away)"), torch.zeros(2, 8), _rand(g, 8), 1e-5),
+        (_("x [3, 8] with values near 1e-3, eps=1e-2 (eps inside the square root matters here)"),
          _rand(g, 3, 8, scale=1e-3), _rand(g, 8), 1e-2),
     ]
     cases = [(d, (x, w, e), ref(x, w, e)) for d, x, w, e in raw]
     variants = [
         Variant(lambda x, w, e: rms_norm_ref(x, w, e, subtract_mean=True),
-                "this is LayerNorm: RMSNorm does not subtract the mean. Divide x by sqrt(mean(x**2) + eps) directly."),
+                N_("this is LayerNorm: RMSNorm does not subtract the mean. Divide x by sqrt(mean(x**2) + eps) directly.")),
         Variant(lambda x, w, e: rms_norm_ref(x, w, 0.0),
-                "eps is missing: sqrt(mean(x**2) + eps), so an all-zero row gives 0 instead of 0 / 0 = nan."),
+                N_("eps is missing: sqrt(mean(x**2) + eps), so an all-zero row gives 0 instead of 0 / 0 = nan.")),
         Variant(lambda x, w, e: rms_norm_ref(x, w, e, eps_outside=True),
-                "eps goes inside the square root: x / sqrt(mean(x**2) + eps), not x / (sqrt(mean(x**2)) + eps)."),
+                N_("eps goes inside the square root: x / sqrt(mean(x**2) + eps), not x / (sqrt(mean(x**2)) + eps).")),
         Variant(lambda x, w, e: rms_norm_ref(x, w, e, use_weight=False),
-                "multiply the normalised x by `weight` (one learned scale per hidden dimension)."),
+                N_("multiply the normalised x by `weight` (one learned scale per hidden dimension).")),
         Variant(lambda x, w, e: rms_norm_ref(x, w, e, over_all=True),
-                "take the mean over the last dimension only: x.pow(2).mean(dim=-1, keepdim=True)."),
+                N_("take the mean over the last dimension only: x.pow(2).mean(dim=-1, keepdim=True).")),
     ]
     return check_cases("rms_norm", fn, cases, variants)
 
@@ -89,23 +90,23 @@ def check_rope(fn: Callable) -> int:
         return RotaryEmbedding(x.shape[-1], 4096, theta)(pos, x, x)[0]
 
     raw = [
-        ("x [4, 2, 8], positions [0, 1, 2, 3], theta=10000", _rand(g, 4, 2, 8), torch.arange(4), 10000.0),
-        ("x [5, 3, 16], positions [7, 0, 31, 2, 100] (rotate by `positions`, not by row number), theta=100000",
+        (_("x [4, 2, 8], positions [0, 1, 2, 3], theta=10000"), _rand(g, 4, 2, 8), torch.arange(4), 10000.0),
+        (_("x [5, 3, 16], positions [7, 0, 31, 2, 100] (rotate by `positions`, not by row number), theta=100000"),
          _rand(g, 5, 3, 16), torch.tensor([7, 0, 31, 2, 100]), 100000.0),
-        ("x [1, 1, 64], positions [4000] (one decode token far into the sequence), theta=100000",
+        (_("x [1, 1, 64], positions [4000] (one decode token far into the sequence), theta=100000"),
          _rand(g, 1, 1, 64), torch.tensor([4000]), 100000.0),
     ]
     cases = [(d, (x, p, t), ref(x, p, t)) for d, x, p, t in raw]
     variants = [
         Variant(lambda x, p, t: rope_ref(x, p, t, interleaved=True),
-                "Llama (Hugging Face; vLLM's is_neox_style=True) pairs dimension i with i + head_dim/2 (the two "
-                "halves), not with i + 1 (that is GPT-J's interleaved style)."),
+                N_("Llama (Hugging Face; vLLM's is_neox_style=True) pairs dimension i with i + head_dim/2 (the two "
+                "halves), not with i + 1 (that is GPT-J's interleaved style).")),
         Variant(lambda x, p, t: rope_ref(x, p, t, sign=-1.0),
-                "the rotation goes the wrong way: out = cat(x1*cos - x2*sin, x2*cos + x1*sin) with x1, x2 the halves."),
+                N_("the rotation goes the wrong way: out = cat(x1*cos - x2*sin, x2*cos + x1*sin) with x1, x2 the halves.")),
         Variant(lambda x, p, t: rope_ref(x, p, t, bad_freqs=True),
-                "pair i turns at theta ** (-2i / head_dim): the exponents are torch.arange(0, head_dim, 2) / head_dim."),
+                N_("pair i turns at theta ** (-2i / head_dim): the exponents are torch.arange(0, head_dim, 2) / head_dim.")),
         Variant(lambda x, p, t: rope_ref(x, p, t, ignore_positions=True),
-                "rotate each row by its entry of `positions`, not by its row number."),
+                N_("rotate each row by its entry of `positions`, not by its row number.")),
     ]
     return check_cases("rope", fn, cases, variants)
 
@@ -113,14 +114,14 @@ def check_rope(fn: Callable) -> int:
 # ---- grouped-query attention -----------------------------------------------------------------------------------
 _ATTN_VARIANTS = [
     ("none", None, "interleave",
-     "a query may only see keys at its own position or earlier: mask scores where key index > query index with "
-     "-inf before the softmax (causal mask)."),
-    ("flipped", None, "interleave", "the mask is flipped: query i may see keys 0..i (the lower triangle)."),
+     N_("a query may only see keys at its own position or earlier: mask scores where key index > query index with "
+     "-inf before the softmax (causal mask).")),
+    ("flipped", None, "interleave", N_("the mask is flipped: query i may see keys 0..i (the lower triangle).")),
     ("bottom_right", None, "repeat",
-     "query head j shares KV head j // (num_heads // num_kv_heads): expand k and v with "
-     "repeat_interleave(group, dim=1), not repeat (which gives head j the KV head j % num_kv_heads)."),
-    ("bottom_right", "1/D", "interleave", "scale the scores by 1 / sqrt(head_dim), not 1 / head_dim."),
-    ("bottom_right", "1", "interleave", "scale the scores q·k by 1 / sqrt(head_dim) before the softmax."),
+     N_("query head j shares KV head j // (num_heads // num_kv_heads): expand k and v with "
+     "repeat_interleave(group, dim=1), not repeat (which gives head j the KV head j % num_kv_heads).")),
+    ("bottom_right", "1/D", "interleave", N_("scale the scores by 1 / sqrt(head_dim), not 1 / head_dim.")),
+    ("bottom_right", "1", "interleave", N_("scale the scores q·k by 1 / sqrt(head_dim) before the softmax.")),
 ]
 
 
@@ -149,10 +150,10 @@ def check_gqa_attention(fn: Callable) -> int:
     """
     g = torch.Generator().manual_seed(3)
     shapes = [
-        ("T=5 tokens, 2 query heads, 2 KV heads, head_dim 8 (plain multi-head attention)", 5, 2, 2, 8),
-        ("T=6 tokens, 4 query heads sharing 2 KV heads, head_dim 8", 6, 4, 2, 8),
-        ("T=7 tokens, 9 query heads sharing 3 KV heads (SmolLM2's shape), head_dim 16", 7, 9, 3, 16),
-        ("T=1 token, 4 query heads, 2 KV heads, head_dim 8", 1, 4, 2, 8),
+        (_("T=5 tokens, 2 query heads, 2 KV heads, head_dim 8 (plain multi-head attention)"), 5, 2, 2, 8),
+        (_("T=6 tokens, 4 query heads sharing 2 KV heads, head_dim 8"), 6, 4, 2, 8),
+        (_("T=7 tokens, 9 query heads sharing 3 KV heads (SmolLM2's shape), head_dim 16"), 7, 9, 3, 16),
+        (_("T=1 token, 4 query heads, 2 KV heads, head_dim 8"), 1, 4, 2, 8),
     ]
     cases = []
     for desc, t, h, hkv, d in shapes:
@@ -186,18 +187,19 @@ def check_swiglu(fn: Callable) -> int:
             return m(x)
 
     cases = []
-    for desc, t, hid, inter in [("x [3, 8], intermediate size 12", 3, 8, 12), ("x [1, 16], intermediate size 24", 1, 16, 24)]:
+    for desc, t, hid, inter in [(_("x [3, 8], intermediate size 12"), 3, 8, 12), (_("x [1, 16], intermediate size 24"), 1, 16, 24)]:
         args = (_rand(g, t, hid), _rand(g, inter, hid, scale=hid ** -0.5), _rand(g, inter, hid, scale=hid ** -0.5),
                 _rand(g, hid, inter, scale=inter ** -0.5))
         cases.append((desc, args, ref(*args)))
     variants = [
         Variant(lambda x, a, b, c: swiglu_ref(x, a, b, c, act="silu_up"),
-                "SiLU goes on the gate projection: silu(x @ w_gate.T) * (x @ w_up.T)."),
+                N_("SiLU goes on the gate projection: silu(x @ w_gate.T) * (x @ w_up.T).")),
         Variant(lambda x, a, b, c: swiglu_ref(x, a, b, c, act="none"),
-                "apply SiLU (torch.nn.functional.silu) to the gate projection before multiplying by the up projection."),
-        Variant(lambda x, a, b, c: swiglu_ref(x, a, b, c, act="gelu"), "the activation is SiLU (x * sigmoid(x)), not GELU."),
+                N_("apply SiLU (torch.nn.functional.silu) to the gate projection before multiplying by the up projection.")),
+        Variant(lambda x, a, b, c: swiglu_ref(x, a, b, c, act="gelu"),
+                N_("the activation is SiLU (x * sigmoid(x)), not GELU.")),
         Variant(lambda x, a, b, c: swiglu_ref(x, a, b, c, act="silu_only"),
-                "multiply silu(gate) element-wise by the up projection x @ w_up.T before the down projection."),
+                N_("multiply silu(gate) element-wise by the up projection x @ w_up.T before the down projection.")),
     ]
     return check_cases("swiglu", fn, cases, variants)
 
@@ -225,8 +227,8 @@ def check_decoder_layer(fn: Callable, model: Optional[LlamaForCausalLM] = None) 
     cases = []
     # A constant shift of all positions cancels in q·k (RoPE scores depend on distances only), so the second case
     # has gaps: a layer that rotates by torch.arange(T) instead of `positions` fails it.
-    for desc, idx, pos in [("tiny model layer 0, T=6 tokens at positions 0..5", 0, torch.arange(6)),
-                           ("tiny model layer 1, T=5 tokens at positions [0, 3, 4, 8, 9] (use `positions`)", 1,
+    for desc, idx, pos in [(_("tiny model layer 0, T=6 tokens at positions 0..5"), 0, torch.arange(6)),
+                           (_("tiny model layer 1, T=5 tokens at positions [0, 3, 4, 8, 9] (use `positions`)"), 1,
                             torch.tensor([0, 3, 4, 8, 9]))]:
         layer, x = tiny.model.layers[idx], _rand(g, len(pos), tiny.config.hidden_size)
         cases.append((desc, (x, pos, split_layer_weights(layer), tiny.config), run_reference_layer(layer, x, pos)))
@@ -238,22 +240,23 @@ def check_decoder_layer(fn: Callable, model: Optional[LlamaForCausalLM] = None) 
             x = model.model.embed_tokens(ids).float()
         for idx in sorted({0, n - 1}):
             layer = model.model.layers[idx]
-            desc = f"{model.config.name!r} layer {idx}, embeddings of 7 random tokens at positions 0..6"
+            desc = _("{model} layer {idx}, embeddings of 7 random tokens at positions 0..6").format(
+                model=repr(model.config.name), idx=idx)
             pos = torch.arange(7)
             cases.append((desc, (x, pos, split_layer_weights(layer), model.config), run_reference_layer(layer, x, pos)))
     variants = [
         Variant(lambda x, p, w, c: layer_from_parts(x, p, w, c, residual=False),
-                "add the residual connections: x = x + attention(...), then x = x + mlp(...)."),
+                N_("add the residual connections: x = x + attention(...), then x = x + mlp(...).")),
         Variant(lambda x, p, w, c: layer_from_parts(x, p, w, c, prenorm=False),
-                "Llama normalises *before* each sub-layer (pre-norm): x + attn(rms_norm(x)), not rms_norm(x + attn(x))."),
+                N_("Llama normalises *before* each sub-layer (pre-norm): x + attn(rms_norm(x)), not rms_norm(x + attn(x)).")),
         Variant(lambda x, p, w, c: layer_from_parts(x, p, w, c, swap_gate_up=True),
-                "gate and up are swapped: silu goes on x @ gate_proj.T."),
+                N_("gate and up are swapped: silu goes on x @ gate_proj.T.")),
         Variant(lambda x, p, w, c: layer_from_parts(x, p, w, c, causal=False),
-                "attention must be causal: token i sees tokens 0..i only."),
+                N_("attention must be causal: token i sees tokens 0..i only.")),
         Variant(lambda x, p, w, c: layer_from_parts(x, p, w, c, use_positions=False),
-                "rotate q and k by `positions`, not by torch.arange(T)."),
+                N_("rotate q and k by `positions`, not by torch.arange(T).")),
     ]
-    general = ("run the part checkers first (check_rms_norm, check_rope, check_gqa_attention, check_swiglu); the "
-               "layer is h = x + o_proj(attention(rope(q), rope(k), v)) of rms_norm(x), then h + mlp(rms_norm(h)).")
+    general = (_("run the part checkers first (check_rms_norm, check_rope, check_gqa_attention, check_swiglu); the "
+               "layer is h = x + o_proj(attention(rope(q), rope(k), v)) of rms_norm(x), then h + mlp(rms_norm(h))."))
     return check_cases("decoder_layer", fn, cases, variants, atol=atol, rtol=rtol, general_hint=general)
 

@@ -18,17 +18,19 @@ from minivllm.attention.paged_attention import gather_kv, write_kv_cache
 from minivllm.worker.block_table import compute_slot_mapping
 from minivllm.course.exercises._harness import Variant, call, check_cases, checker, compare_tensors, fail
 from minivllm.course.exercises._reference import attention_ref, one_request_metadata
+from minivllm.i18n import N_, _
 
 
 # ---- slot mapping -----------------------------------------------------------------------------------------------
+#: Known mistakes of slot_mapping: (the wrong formula, its hint in English; translated where shown).
 _SLOT_MISTAKES = [
-    (lambda bt, p, i, bs: p, "look the block up in the block table: the slot is block_table[p // block_size] * "
-     "block_size + p % block_size, not the position itself."),
-    (lambda bt, p, i, bs: bt[p // bs] + p % bs, "a block holds block_size slots: multiply the block id by block_size."),
+    (lambda bt, p, i, bs: p, N_("look the block up in the block table: the slot is block_table[p // block_size] * "
+     "block_size + p % block_size, not the position itself.")),
+    (lambda bt, p, i, bs: bt[p // bs] + p % bs, N_("a block holds block_size slots: multiply the block id by block_size.")),
     (lambda bt, p, i, bs: bt[p % bs] * bs + p // bs,
-     "p // block_size picks the entry of the block table, p % block_size the offset inside the block."),
+     N_("p // block_size picks the entry of the block table, p % block_size the offset inside the block.")),
     (lambda bt, p, i, bs: bt[i // bs] * bs + i % bs,
-     "use each token's position p, not its index in the `positions` list (a chunk need not start at 0)."),
+     N_("use each token's position p, not its index in the `positions` list (a chunk need not start at 0).")),
 ]
 
 
@@ -45,10 +47,10 @@ def check_slot_mapping(fn: Callable) -> int:
     """
     cases = [
         ("block_table=[3], positions=[0, 1, 2], block_size=4", [3], [0, 1, 2], 4),
-        ("block_table=[3, 7], positions=[0..7], block_size=4 (two blocks)", [3, 7], list(range(8)), 4),
-        ("block_table=[9, 2, 5], positions=[6..10] (a chunk starting inside block 1), block_size=4",
+        (_("block_table=[3, 7], positions=[0..7], block_size=4 (two blocks)"), [3, 7], list(range(8)), 4),
+        (_("block_table=[9, 2, 5], positions=[6..10] (a chunk starting inside block 1), block_size=4"),
          [9, 2, 5], list(range(6, 11)), 4),
-        ("block_table=[4, 0, 6], positions=[9] (one decode token), block_size=4", [4, 0, 6], [9], 4),
+        (_("block_table=[4, 0, 6], positions=[9] (one decode token), block_size=4"), [4, 0, 6], [9], 4),
         ("block_table=[1, 8], positions=[0..31], block_size=16", [1, 8], list(range(32)), 16),
     ]
     for desc, bt, pos, bs in cases:
@@ -56,18 +58,18 @@ def check_slot_mapping(fn: Callable) -> int:
         try:
             got_list = [int(s) for s in (got.tolist() if isinstance(got, torch.Tensor) else got)]
         except Exception:  # noqa: BLE001
-            fail("slot_mapping", desc, f"expected a list of ints, got {type(got).__name__}: {got!r}")
+            fail("slot_mapping", desc, _("expected a list of ints, got {type}: {value}").format(type=type(got).__name__, value=repr(got)))
         expected = compute_slot_mapping(bt, pos, bs)
         if got_list != expected:
             hint = None
             for wrong, h in _SLOT_MISTAKES:
                 try:
                     if [wrong(bt, p, i, bs) for i, p in enumerate(pos)] == got_list:
-                        hint = h
+                        hint = _(h)
                         break
                 except IndexError:
                     continue
-            fail("slot_mapping", desc, f"expected slots {expected}, got {got_list}", hint)
+            fail("slot_mapping", desc, _("expected slots {expected}, got {got}").format(expected=expected, got=got_list), hint)
     return len(cases)
 
 
@@ -89,9 +91,9 @@ def check_write_kv(fn: Callable) -> int:
     """
     g = torch.Generator().manual_seed(8)
     cases = [
-        ("kv_cache [2, 4 blocks, block_size 4, 2 KV heads, head_dim 3], slot_mapping=[5, 6, 7]", 4, 4, [5, 6, 7]),
-        ("kv_cache [2, 4, 4, 2, 3], slot_mapping=[13, 2, 8, 9] (scattered over blocks 3, 0, 2)", 4, 4, [13, 2, 8, 9]),
-        ("kv_cache [2, 4, 4, 2, 3], slot_mapping=[15] (one decode token, last slot of block 3)", 4, 4, [15]),
+        (_("kv_cache [2, 4 blocks, block_size 4, 2 KV heads, head_dim 3], slot_mapping=[5, 6, 7]"), 4, 4, [5, 6, 7]),
+        (_("kv_cache [2, 4, 4, 2, 3], slot_mapping=[13, 2, 8, 9] (scattered over blocks 3, 0, 2)"), 4, 4, [13, 2, 8, 9]),
+        (_("kv_cache [2, 4, 4, 2, 3], slot_mapping=[15] (one decode token, last slot of block 3)"), 4, 4, [15]),
     ]
     for desc, nb, bs, slots in cases:
         cache = _garbage_cache(g, nb, bs, 2, 3)
@@ -106,14 +108,14 @@ def check_write_kv(fn: Callable) -> int:
             continue
         hint = None
         if torch.equal(cache, before):
-            hint = ("the cache did not change: the write went into a copy. Assign through a view, e.g. "
+            hint = (_("the cache did not change: the write went into a copy. Assign through a view, e.g. "
                     "kv_cache[0].view(-1, H, D)[slot_mapping] = k; chained indexing such as kv_cache[0][b][o] = k "
-                    "writes into a temporary.")
+                    "writes into a temporary."))
         else:
             swapped = before.clone()
             write_kv_cache(v, k, swapped, sm)
             if torch.equal(cache, swapped):
-                hint = "keys go to kv_cache[0] and values to kv_cache[1]."
+                hint = _("keys go to kv_cache[0] and values to kv_cache[1].")
         fail("write_kv", desc, problem, hint)
     return len(cases)
 
@@ -132,10 +134,10 @@ def check_gather_kv(fn: Callable) -> int:
     """
     g = torch.Generator().manual_seed(9)
     cases = [
-        ("block_table=[2, 0], seq_len=6, block_size=4 (the last block is half full)", [2, 0], 6),
-        ("block_table=[3, 1, 4], seq_len=12, block_size=4 (three full blocks)", [3, 1, 4], 12),
+        (_("block_table=[2, 0], seq_len=6, block_size=4 (the last block is half full)"), [2, 0], 6),
+        (_("block_table=[3, 1, 4], seq_len=12, block_size=4 (three full blocks)"), [3, 1, 4], 12),
         ("block_table=[5], seq_len=1, block_size=4", [5], 1),
-        ("block_table=[1, 6, 0, 0] (padded with zeros past the request's blocks), seq_len=5, block_size=4",
+        (_("block_table=[1, 6, 0, 0] (padded with zeros past the request's blocks), seq_len=5, block_size=4"),
          [1, 6, 0, 0], 5),
     ]
     for desc, bt, n in cases:
@@ -162,7 +164,7 @@ def check_gather_case(fn: Callable, cache: torch.Tensor, bt: list, n: int, desc:
     exp_k, exp_v = gather_kv(cache, table, n)
     got = call(fn, (cache.clone(), table.clone(), n), "gather_kv", desc)
     if not isinstance(got, (tuple, list)) or len(got) != 2:
-        fail("gather_kv", desc, f"expected a tuple (k, v), got {type(got).__name__}")
+        fail("gather_kv", desc, _("expected a tuple (k, v), got {type}").format(type=type(got).__name__))
     bs, heads, dim = cache.shape[2:]
     for name, exp, other, out in (("k", exp_k, exp_v, got[0]), ("v", exp_v, exp_k, got[1])):
         problem = compare_tensors(exp, out, what=name, atol=0, rtol=0)
@@ -171,13 +173,13 @@ def check_gather_case(fn: Callable, cache: torch.Tensor, bt: list, n: int, desc:
         hint = None
         nblk = -(-n // bs)
         if isinstance(out, torch.Tensor) and out.dim() == 3 and out.shape[0] != n and untrimmed(out.shape[0]):
-            hint = "keep only the first seq_len rows: the last block is only partly filled (or not the request's)."
+            hint = _("keep only the first seq_len rows: the last block is only partly filled (or not the request's).")
         elif isinstance(out, torch.Tensor) and out.shape == exp.shape and torch.equal(out, other):
-            hint = "k comes from kv_cache[0], v from kv_cache[1]."
+            hint = _("k comes from kv_cache[0], v from kv_cache[1].")
         elif isinstance(out, torch.Tensor) and out.shape == exp.shape:
             contiguous = cache[0 if name == "k" else 1, :nblk].reshape(nblk * bs, heads, dim)[:n]
             if torch.equal(out, contiguous):
-                hint = "read the blocks listed in block_table, in that order, not blocks 0, 1, 2, ..."
+                hint = _("read the blocks listed in block_table, in that order, not blocks 0, 1, 2, ...")
         fail("gather_kv", desc, problem, hint)
 
 
@@ -219,20 +221,20 @@ def _scaled(scale_of_d: Callable[[int], float]) -> Callable:
 #: Known mistakes of paged attention and their hints, tried in order (also used by lesson 03's hidden cases).
 PAGED_VARIANTS = [
     Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, gather="range"),
-            "read the blocks listed in block_table (block_table[p // block_size]), not blocks 0, 1, 2, ..."),
+            N_("read the blocks listed in block_table (block_table[p // block_size]), not blocks 0, 1, 2, ...")),
     Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="top_left"),
-            "row i of q is position num_computed + i: it sees keys 0..num_computed + i (shift the causal "
-            "mask's diagonal right by num_computed)."),
+            N_("row i of q is position num_computed + i: it sees keys 0..num_computed + i (shift the causal "
+            "mask's diagonal right by num_computed).")),
     Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, mask="none"),
-            "apply the causal mask: in a prefill or chunk, row i must not see keys after num_computed + i."),
+            N_("apply the causal mask: in a prefill or chunk, row i must not see keys after num_computed + i.")),
     Variant(lambda q, c, b, n: _paged_variant(q, c, b, n, head_map="repeat"),
-            "query head j uses KV head j // (num_heads // num_kv_heads): repeat_interleave, not repeat."),
-    Variant(_untrimmed, "keep only the first num_computed + T keys and values: the rest of the last block is "
-                        "another request's data or garbage."),
-    Variant(_no_context, "attend over all num_computed + T keys (the context in the cache and this step's), not "
-                         "only this step's T."),
-    Variant(_scaled(lambda d: 1.0), "scale the scores by 1 / sqrt(head_dim)."),
-    Variant(_scaled(lambda d: 1.0 / d), "the scale is 1 / sqrt(head_dim), not 1 / head_dim."),
+            N_("query head j uses KV head j // (num_heads // num_kv_heads): repeat_interleave, not repeat.")),
+    Variant(_untrimmed, N_("keep only the first num_computed + T keys and values: the rest of the last block is "
+                        "another request's data or garbage.")),
+    Variant(_no_context, N_("attend over all num_computed + T keys (the context in the cache and this step's), not "
+                         "only this step's T.")),
+    Variant(_scaled(lambda d: 1.0), N_("scale the scores by 1 / sqrt(head_dim).")),
+    Variant(_scaled(lambda d: 1.0 / d), N_("the scale is 1 / sqrt(head_dim), not 1 / head_dim.")),
 ]
 
 
@@ -251,10 +253,10 @@ def check_paged_attention(fn: Callable) -> int:
     """
     g = torch.Generator().manual_seed(10)
     shapes = [
-        ("prefill: T=6 tokens, num_computed=0, block_table=[3, 1], block_size=4, 4 query / 2 KV heads",
+        (_("prefill: T=6 tokens, num_computed=0, block_table=[3, 1], block_size=4, 4 query / 2 KV heads"),
          [3, 1], 0, 6, 4, 2),
-        ("decode: T=1 token at position 9 (num_computed=9), block_table=[5, 0, 2], block_size=4", [5, 0, 2], 9, 1, 4, 2),
-        ("a chunk: T=4 tokens at positions 5..8 (num_computed=5), block_table=[2, 6, 4], 9 query / 3 KV heads",
+        (_("decode: T=1 token at position 9 (num_computed=9), block_table=[5, 0, 2], block_size=4"), [5, 0, 2], 9, 1, 4, 2),
+        (_("a chunk: T=4 tokens at positions 5..8 (num_computed=5), block_table=[2, 6, 4], 9 query / 3 KV heads"),
          [2, 6, 4], 5, 4, 9, 3),
     ]
     cases: List[tuple] = []
@@ -266,6 +268,6 @@ def check_paged_attention(fn: Callable) -> int:
         md = one_request_metadata(bt, n, t, 4)
         cases.append((desc, (q, cache, table, n), reference_paged_attention(q, cache, md, 1.0 / math.sqrt(d))))
     variants = PAGED_VARIANTS
-    general = ("gather this request's keys and values in position order (your gather_kv), keep num_computed + T "
-               "of them, then attend as in cached_attention.")
+    general = (_("gather this request's keys and values in position order (your gather_kv), keep num_computed + T "
+               "of them, then attend as in cached_attention."))
     return check_cases("paged_attention", fn, cases, variants, general_hint=general)

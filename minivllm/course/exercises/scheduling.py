@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Tuple
 
+from minivllm.i18n import _
+
 
 @dataclass
 class Workload:
@@ -22,7 +24,8 @@ class Workload:
     def describe(self) -> str:
         reqs = ", ".join(f"{rid}: {n}+{m}" for rid, n, m in self.requests)
         kw = ", ".join(f"{k}={v}" for k, v in self.engine_kwargs.items())
-        return f"workload {self.name!r} ({kw}; prompt+output tokens {reqs})"
+        return _("workload {name} ({settings}; prompt+output tokens {requests})").format(
+            name=repr(self.name), settings=kw, requests=reqs)
 
     def engine(self):
         from minivllm import SamplingParams

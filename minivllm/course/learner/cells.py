@@ -16,6 +16,8 @@ from typing import Any, Dict, List, Optional
 
 import nbformat
 
+from minivllm.i18n import _
+
 MARKER = re.compile(r"^#\s*Your turn:\s*([A-Za-z_][A-Za-z0-9_]*)\s*$")
 
 
@@ -49,7 +51,8 @@ def run_cells(cells: List[ExerciseCell], path: str) -> Dict[str, Any]:
         try:
             exec(compile(c.source, f"{os.path.basename(path)} cell {c.index}", "exec"), ns)  # noqa: S102
         except Exception as e:  # noqa: BLE001 - a broken cell is reported by the grader, not raised
-            ns["__errors__"][c.part] = f"running its cell raised {type(e).__name__}: {e}"
+            ns["__errors__"][c.part] = _("running its cell raised {error}: {message}").format(
+                error=type(e).__name__, message=e)
     return ns
 
 

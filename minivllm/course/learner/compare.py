@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import textwrap
 import traceback
 from dataclasses import dataclass
@@ -21,14 +22,17 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from minivllm.bench.vllm_check import minivllm_replay
 from minivllm.bench.vllm_check.compare import STEP_FIELDS
+from minivllm.course.exercises._harness import ljust, text_width
+from minivllm.i18n import N_, _
 
 # The fields of a step record compared here, in the order a learner reads them (what was scheduled first).
 COMPARED_FIELDS = ("num_scheduled_tokens", "new", "resumed", "cached", "preempted", "num_computed_at_admission",
                    "waiting", "running", "num_free_blocks", "new_block_ids", "cached_new_block_ids", "finished")
 assert set(COMPARED_FIELDS) - {"new_block_ids", "cached_new_block_ids"} <= set(STEP_FIELDS)
 
-# What each compared field means, printed under a side-by-side step (the learner reads the grader's words).
-FIELD_LEGEND = (
+# What each compared field means, printed under a side-by-side step (the learner reads the grader's words; English
+# here, translated where printed).
+FIELD_LEGEND = N_(
     "cached = running requests scheduled in this step (vLLM's CachedRequestData), not the prefix cache; "
     "num_computed_at_admission = tokens already computed (the prefix-cache hit) of each new or resumed request; "
     "new_block_ids = the block table sent for each new request; cached_new_block_ids = the blocks sent for each "
@@ -108,7 +112,8 @@ def describe(w: Dict[str, Any]) -> str:
     reqs = ", ".join(f"{r['id']}: {len(r['prompt_token_ids'])}+{r['sampling']['max_tokens']}"
                      f"@{r.get('arrive_at_step', 0)}" + (f" p{r['priority']}" if "priority" in r else "")
                      for r in w["requests"])
-    return f"{w['name']!r} ({kw}; requests prompt+output@arrival step: {reqs})"
+    return _("{name} ({settings}; requests prompt+output@arrival step: {requests})").format(
+        name=repr(w["name"]), settings=kw, requests=reqs)
 
 
 def run_steps(w: Dict[str, Any], scheduler_cls: Optional[type] = None, with_connector: bool = False,
@@ -146,19 +151,43 @@ class Difference:
     def format(self, expected_step: Optional[Dict[str, Any]] = None,
                got_step: Optional[Dict[str, Any]] = None) -> str:
         """The difference in words, then (given both step records) the whole step side by side."""
-        who = f", request {self.request}" if self.request else ""
-        lines = [f"first difference: step {self.step}, field {self.field}{who}",
-                 f"    expected: {json.dumps(self.expected)}", f"    yours:    {json.dumps(self.got)}"]
+        if self.request:
+            head = _("first difference: step {step}, field {field}, request {request}").format(
+                step=self.step, field=self.field, request=self.request)
+        else:
+            head = _("first difference: step {step}, field {field}").format(step=self.step, field=self.field)
+        lines = [head, _("    expected: {value}").format(value=json.dumps(self.expected)),
+                 _("    yours:    {value}").format(value=json.dumps(self.got))]
         if expected_step is not None or got_step is not None:
-            lines.append(f"  step {self.step} side by side:")
-            lines.append(f"    {'field':<27}{'expected (reference)':<44}yours")
+            lines.append(_("  step {step} side by side:").format(step=self.step))
+            lines.append("    " + ljust(_("field"), 27) + ljust(_("expected (reference)"), 44) + _("yours"))
             for f in COMPARED_FIELDS:
                 a = _view(expected_step, f)
                 b = _view(got_step, f)
                 mark = "≠ " if a != b else "  "
                 lines.append(f"  {mark}{f:<27}{json.dumps(a):<44}{json.dumps(b)}")
-            lines.append(textwrap.fill(FIELD_LEGEND, 116, initial_indent="  (", subsequent_indent="   ") + ")")
+            lines.append(_fill(_(FIELD_LEGEND), 116, "  (", "   ") + ")")
         return "\n".join(lines)
+
+
+def _fill(text: str, width: int, initial_indent: str, subsequent_indent: str) -> str:
+    """``textwrap.fill`` for English text; for text with wide (Chinese) characters, lines of at most ``width``
+    columns (a Chinese character counts two) that break between Chinese characters or at spaces, never inside
+    an English word or a code name."""
+    if text.isascii():
+        return textwrap.fill(text, width, initial_indent=initial_indent, subsequent_indent=subsequent_indent)
+    tokens = re.findall(r"[\x21-\x7e]+|\s+|.", text)  # ASCII words whole, runs of spaces, one character otherwise
+    lines: List[str] = []
+    line = initial_indent
+    for tok in tokens:
+        if line.strip() and text_width(line) + text_width(tok) > width:
+            lines.append(line.rstrip())
+            line = subsequent_indent
+            if tok.isspace():
+                continue
+        line += tok
+    lines.append(line.rstrip())
+    return "\n".join(lines)
 
 
 def _view(step: Optional[Dict[str, Any]], f: str) -> Any:
@@ -217,36 +246,40 @@ def check_scheduler_part(part_name: str, cls: Any, methods: Sequence[str], workl
     the learner's code raised, with its step).
     """
     from minivllm.core.sched.scheduler import Scheduler
-    from minivllm.course.learner.parts import NotWritten, PartFailed
+    from minivllm.course.learner.parts import NotWritten, PartFailed, not_written_message
 
     if not (isinstance(cls, type) and issubclass(cls, Scheduler)):
-        raise PartFailed(f"{part_name}: expected a subclass of Scheduler, got {cls!r}")
+        raise PartFailed(_("{part}: expected a subclass of Scheduler, got {value}").format(part=part_name,
+                                                                                          value=repr(cls)))
     base_names = {c for c in Scheduler.__mro__}
     own = {k for c in cls.__mro__ if c not in base_names for k, v in vars(c).items()
            if callable(v) and not k.startswith("__")}
     missing = [m for m in methods if m not in own]
     if missing:
-        raise PartFailed(f"{part_name}: your class must define {', '.join(missing)} (it overrides {sorted(own)})")
+        raise PartFailed(_("{part}: your class must define {missing} (it overrides {own})").format(
+            part=part_name, missing=", ".join(missing), own=sorted(own)))
     stray = sorted(m for m in own if m.startswith("_") and hasattr(Scheduler, m) and m not in methods)
     if stray:
-        raise PartFailed(f"{part_name}: override only {', '.join(methods)}; your class also overrides "
-                         f"{', '.join(stray)}, another part's method (your engine combines every lesson's class)")
+        raise PartFailed(_("{part}: override only {methods}; your class also overrides {stray}, another part's "
+                           "method (your engine combines every lesson's class)").format(
+            part=part_name, methods=", ".join(methods), stray=", ".join(stray)))
     n = 0
     for w in list(workloads) + list(hidden):
         expected = run_steps(w, None, with_connector)
         try:
             got = run_steps(w, cls, with_connector)
         except NotImplementedError:
-            raise NotWritten(f"{cls.__name__} still raises NotImplementedError") from None
+            raise NotWritten(not_written_message(cls.__name__)) from None
         except Exception as e:  # noqa: BLE001 - the learner's error is reported with its workload
-            raise PartFailed(f"{part_name}: your {cls.__name__} raised {type(e).__name__}: {e}{_explain(e)}\n"
-                             f"  on workload {describe(w)}") from None
+            raise PartFailed(_("{part}: your {cls} raised {error}: {message}").format(
+                part=part_name, cls=cls.__name__, error=type(e).__name__, message=e) + _explain(e) + "\n"
+                + _("  on workload {workload}").format(workload=describe(w))) from None
         d = first_difference(expected, got, fields)
         if d is not None:
             e_step = expected[d.step] if d.step < len(expected) else None
             g_step = got[d.step] if d.step < len(got) else None
             meaning = explain(d, e_step, g_step) if explain is not None else ""
-            raise PartFailed(f"on workload {describe(w)}\n{d.format(e_step, g_step)}"
+            raise PartFailed(_("on workload {workload}").format(workload=describe(w)) + f"\n{d.format(e_step, g_step)}"
                              + (f"\n{meaning}" if meaning else ""))
         n += 1
     return n
@@ -257,6 +290,7 @@ def _explain(e: BaseException) -> str:
     code, not in the learner's)."""
     frames = [f.name for f in traceback.extract_tb(e.__traceback__)]
     if isinstance(e, KeyError) and ("_make_cached_request_data" in frames or "_build_scheduler_output" in frames):
-        return (f"\n  request {e.args[0]!r} was scheduled (it is in step.running_scheduled, step.new_reqs or "
-                "step.resumed_reqs) but has no entry in step.new_block_ids: record the block ids sent for it")
+        return "\n" + _("  request {request} was scheduled (it is in step.running_scheduled, step.new_reqs or "
+                        "step.resumed_reqs) but has no entry in step.new_block_ids: record the block ids sent for "
+                        "it").format(request=repr(e.args[0]))
     return ""

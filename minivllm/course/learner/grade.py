@@ -18,10 +18,13 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from minivllm.course.exercises._harness import ljust, text_width
 from minivllm.course.learner import cells as _cells
-from minivllm.course.learner.parts import Part, load_all, run_check
+from minivllm.course.learner.parts import Part, hints_now, load_all, run_check
+from minivllm.i18n import N_, _
 
-STATUS_MARK = {"passed": "✓ passed", "failed": "✗ failed", "blank": "· blank", "error": "✗ error"}
+#: The status column's words (English; translated where printed).
+STATUS_MARK = {"passed": N_("✓ passed"), "failed": N_("✗ failed"), "blank": N_("· blank"), "error": N_("✗ error")}
 
 
 def learner_namespaces(folder: str, lessons: Sequence[str], solutions: bool) -> Dict[str, Tuple[Dict[str, Any], str]]:
@@ -64,7 +67,7 @@ def grade(lessons: Optional[Sequence[str]] = None, folder: Optional[str] = None,
             continue
         t0 = time.perf_counter()
         if part.name not in spaces:
-            status, msg = "blank", f"no cell starting '# Your turn: {part.name}' in the notebook"
+            status, msg = "blank", _("no cell starting '# Your turn: {name}' in the notebook").format(name=part.name)
         else:
             ns, _nb = spaces[part.name]
             err = ns["__errors__"].get(part.name)
@@ -74,33 +77,43 @@ def grade(lessons: Optional[Sequence[str]] = None, folder: Optional[str] = None,
                 status, msg = run_check(part, ns.get(part.symbol), hidden=True)
         results.append((part, status, msg, time.perf_counter() - t0))
     _print_table(results, wanted, out, solutions)
-    for part, status, msg, _ in results:
+    for part, status, msg, _secs in results:
         if status in ("failed", "error"):
             print(f"\n── {part.lesson} {part.name} ({part.symbol}) ──\n{msg}", file=out)
-            for i, h in enumerate(part.hints[:max(0, hints)]):
-                print(f"  Hint {i + 1}:\n" + textwrap.indent(h, "      "), file=out)
+            for i, h in enumerate(hints_now(part)[:max(0, hints)]):
+                print(_("  Hint {i}:").format(i=i + 1) + "\n" + textwrap.indent(h, "      "), file=out)
             if hints < 3:
-                print(f"  (more hints: --hints {hints + 1})", file=out)
+                print(_("  (more hints: --hints {n})").format(n=hints + 1), file=out)
     return results
 
 
 def _print_table(results, lessons, out, solutions) -> None:
-    print(f"Grading {'the solutions notebooks' if solutions else 'your notebooks'} (hidden cases included)\n",
-          file=out)
-    width = max([len(r[0].writes) for r in results] + [14]) + 2
-    print(f"{'lesson':<7}{'part':<22}{'what you write':<{width}}{'status':<10}{'time':>6}", file=out)
+    if solutions:
+        print(_("Grading the solutions notebooks (hidden cases included)") + "\n", file=out)
+    else:
+        print(_("Grading your notebooks (hidden cases included)") + "\n", file=out)
+    head_what, head_status, head_time = _("what you write"), _("status"), _("time")
+    width = max([text_width(_(r[0].writes)) for r in results] + [14, text_width(head_what)]) + 2
+    status_width = max([text_width(_(m)) for m in STATUS_MARK.values()] + [text_width(head_status)]) + 2
+    status_width = max(status_width, 10)
+    time_width = max(6, text_width(head_time))
+    print(ljust(_("lesson"), 7) + ljust(_("part"), 22) + ljust(head_what, width) + ljust(head_status, status_width)
+          + " " * (time_width - text_width(head_time)) + head_time, file=out)
     for lesson in lessons:
         rows = [r for r in results if r[0].lesson == lesson]
         for part, status, _msg, secs in rows:
-            print(f"{lesson:<7}{part.name:<22}{part.writes:<{width}}{STATUS_MARK[status]:<10}{secs:>5.1f}s", file=out)
+            print(f"{lesson:<7}{part.name:<22}" + ljust(_(part.writes), width) + ljust(_(STATUS_MARK[status]),
+                                                                                     status_width)
+                  + f"{secs:>{time_width - 1}.1f}s", file=out)
         if rows:
             done = sum(1 for r in rows if r[1] == "passed")
-            print(f"{'':<7}{'':<22}{'lesson ' + lesson + f', parts passed: {done} of {len(rows)}':<{width}}", file=out)
+            print(f"{'':<7}{'':<22}" + ljust(_("lesson {lesson}, parts passed: {done} of {total}").format(
+                lesson=lesson, done=done, total=len(rows)), width), file=out)
     done = sum(1 for r in results if r[1] == "passed")
-    print(f"\nIn all: {done} of {len(results)} parts passed.", file=out)
+    print("\n" + _("In all: {done} of {total} parts passed.").format(done=done, total=len(results)), file=out)
     if any(r[1] == "blank" for r in results):
-        print(f"{STATUS_MARK['blank']}: the part's '# Your turn: <part>' cell in its notebook is not written yet, "
-              "or the notebook is not saved (the grader reads the saved file)", file=out)
+        print(_("{blank}: the part's '# Your turn: <part>' cell in its notebook is not written yet, or the notebook "
+                "is not saved (the grader reads the saved file)").format(blank=_(STATUS_MARK["blank"])), file=out)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -43,14 +43,17 @@ from minivllm.attention.paged_attention import write_kv_cache
 from minivllm.course.exercises import fallback, paged
 from minivllm.course.exercises._harness import (
     ExerciseFailed,
+    LearnerRaised,
     _NotWrittenYet,
     call,
     check_cases,
     compare_tensors,
     fail,
+    hint_label,
 )
 from minivllm.course.exercises._reference import one_request_metadata
-from minivllm.course.learner.parts import NotWritten, Part, PartFailed, register
+from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
+from minivllm.i18n import N_, _
 from minivllm.worker.block_table import compute_slot_mapping
 
 LESSON = "03"
@@ -63,16 +66,18 @@ def _legacy(checker: Callable, fn: Any, name: str) -> int:
     try:
         return cast(Any, checker).__wrapped__(fn)  # the undecorated checker: it raises, never prints
     except _NotWrittenYet:
-        raise NotWritten(f"{name} still raises NotImplementedError") from None
+        raise NotWritten(not_written_message(name)) from None
     except PartFailed:
         raise
     except ExerciseFailed as e:
-        raise PartFailed(str(e)) from None
+        failed = PartFailed(str(e))
+        failed.learner_raised = isinstance(e, LearnerRaised)  # type: ignore[attr-defined]
+        raise failed from None
 
 
 #: Shown with a failed hidden case that matches no known mistake.
-HIDDEN_HINT = ("the hidden cases use other block sizes, head counts and head sizes: take them from kv_cache.shape and "
-               "k.shape (or q.shape), not from the notebook's examples.")
+HIDDEN_HINT = (N_("the hidden cases use other block sizes, head counts and head sizes: take them from kv_cache.shape and "
+               "k.shape (or q.shape), not from the notebook's examples."))
 
 
 def _hidden(check: Callable[[], int], name: str) -> int:
@@ -80,30 +85,30 @@ def _hidden(check: Callable[[], int], name: str) -> int:
     try:
         return check()
     except _NotWrittenYet:
-        raise NotWritten(f"{name} still raises NotImplementedError") from None
+        raise NotWritten(not_written_message(name)) from None
     except PartFailed:
         raise
     except ExerciseFailed as e:
         msg = str(e)
-        if "Hint:" not in msg:
-            msg += "\n  Hint: " + HIDDEN_HINT
-        raise PartFailed(f"(a hidden case: one the notebook does not show)\n{msg}") from None
+        if hint_label() not in msg:
+            msg += "\n  " + _("Hint: {hint}").format(hint=_(HIDDEN_HINT))
+        raise PartFailed(_("(a hidden case: one the notebook does not show)") + f"\n{msg}") from None
 
 
 # ---- slot_mapping ---------------------------------------------------------------------------------------------
 #: Hidden cases: (description, block_table, positions, block_size). The padded rows end in the scratch block's id
 #: (the number of usable blocks), as the model runner pads them (``minivllm/worker/block_table.py``).
 SLOT_HIDDEN: List[Tuple[str, List[int], List[int], int]] = [
-    ("block_table=[5, 2, 7], positions=[0, 1, 2], block_size=1 (one token per block)", [5, 2, 7], [0, 1, 2], 1),
-    ("block_table=[6, 1, 9, 3], positions=[11..25] (a chunk after 11 tokens of context), block_size=8",
+    (N_("block_table=[5, 2, 7], positions=[0, 1, 2], block_size=1 (one token per block)"), [5, 2, 7], [0, 1, 2], 1),
+    (N_("block_table=[6, 1, 9, 3], positions=[11..25] (a chunk after 11 tokens of context), block_size=8"),
      [6, 1, 9, 3], list(range(11, 26)), 8),
-    ("block_table=[40, 3, 17], positions=[37] (one decode token in the third block), block_size=16",
+    (N_("block_table=[40, 3, 17], positions=[37] (one decode token in the third block), block_size=16"),
      [40, 3, 17], [37], 16),
-    ("block_table=[2, 9], positions=[0..63] (a whole prompt of two full blocks), block_size=32",
+    (N_("block_table=[2, 9], positions=[0..63] (a whole prompt of two full blocks), block_size=32"),
      [2, 9], list(range(64)), 32),
-    ("block_table=[6, 1, 3, 24, 24] (a batch row padded with the scratch block 24), positions=[5..9], block_size=4",
+    (N_("block_table=[6, 1, 3, 24, 24] (a batch row padded with the scratch block 24), positions=[5..9], block_size=4"),
      [6, 1, 3, 24, 24], list(range(5, 10)), 4),
-    ("block_table=[11, 10, 9, 8], positions=[3..6] (blocks in descending order), block_size=2",
+    (N_("block_table=[11, 10, 9, 8], positions=[3..6] (blocks in descending order), block_size=2"),
      [11, 10, 9, 8], list(range(3, 7)), 2),
 ]
 
@@ -112,7 +117,8 @@ def _slots_of(got: Any, desc: str) -> List[int]:
     try:
         return [int(s) for s in (got.tolist() if isinstance(got, torch.Tensor) else got)]
     except Exception:  # noqa: BLE001 - any non-list answer is reported with its type
-        fail("slot_mapping", desc, f"expected a list of ints, got {type(got).__name__}: {got!r}")
+        fail("slot_mapping", desc, _("expected a list of ints, got {type}: {value}").format(type=type(got).__name__,
+                                                                                            value=repr(got)))
         raise AssertionError("unreachable")  # pragma: no cover - fail raises
 
 
@@ -120,7 +126,7 @@ def _slot_hint(bt: Sequence[int], pos: Sequence[int], bs: int, got: List[int]) -
     for wrong, hint in paged._SLOT_MISTAKES:
         try:
             if [wrong(bt, p, i, bs) for i, p in enumerate(pos)] == got:
-                return hint
+                return _(hint)
         except IndexError:
             continue
     return None
@@ -128,15 +134,19 @@ def _slot_hint(bt: Sequence[int], pos: Sequence[int], bs: int, got: List[int]) -
 
 def _check_slot_hidden(fn: Callable) -> int:
     for desc, bt, pos, bs in SLOT_HIDDEN:
+        desc = _(desc)
         got = _slots_of(call(fn, (list(bt), list(pos), bs), "slot_mapping", desc), desc)
         expected = compute_slot_mapping(bt, pos, bs)
         if got != expected:
             where = ""
             if len(got) == len(expected):
                 i = next(j for j, (a, b) in enumerate(zip(expected, got)) if a != b)
-                where = (f"\n    first difference: positions[{i}] = {pos[i]} (block {bt[pos[i] // bs]}, offset "
-                         f"{pos[i] % bs}): expected slot {expected[i]}, got {got[i]}")
-            fail("slot_mapping", desc, f"expected slots {expected}, got {got}{where}", _slot_hint(bt, pos, bs, got))
+                where = "\n" + _("    first difference: positions[{i}] = {position} (block {block}, offset "
+                                 "{offset}): expected slot {expected}, got {got}").format(
+                    i=i, position=pos[i], block=bt[pos[i] // bs], offset=pos[i] % bs, expected=expected[i],
+                    got=got[i])
+            fail("slot_mapping", desc, _("expected slots {expected}, got {got}").format(expected=expected, got=got)
+                 + where, _slot_hint(bt, pos, bs, got))
     return len(SLOT_HIDDEN)
 
 
@@ -164,16 +174,16 @@ class _WriteCase:
 
 
 WRITE_HIDDEN = [
-    _WriteCase("kv_cache [2, 5 blocks, block_size 8, 1 KV head (MQA), head_dim 4], slot_mapping = the slots of "
-               "positions 11..16 through block_table [3, 0, 4]", 5, 8, 1, 4,
+    _WriteCase(N_("kv_cache [2, 5 blocks, block_size 8, 1 KV head (MQA), head_dim 4], slot_mapping = the slots of "
+               "positions 11..16 through block_table [3, 0, 4]"), 5, 8, 1, 4,
                compute_slot_mapping([3, 0, 4], list(range(11, 17)), 8)),
-    _WriteCase("kv_cache [2, 4, block_size 16, 3 KV heads, head_dim 8], slot_mapping=[63] (one decode token, the "
-               "last slot of the cache)", 4, 16, 3, 8, [63]),
-    _WriteCase("kv_cache [2, 6, block_size 1, 2 KV heads, head_dim 2], slot_mapping=[4, 0, 5, 2] (one token per "
-               "block)", 6, 1, 2, 2, [4, 0, 5, 2]),
-    _WriteCase("kv_cache [2, 6, block_size 4, 3 KV heads, head_dim 8], slot_mapping = the slots of positions 2..9 "
+    _WriteCase(N_("kv_cache [2, 4, block_size 16, 3 KV heads, head_dim 8], slot_mapping=[63] (one decode token, the "
+               "last slot of the cache)"), 4, 16, 3, 8, [63]),
+    _WriteCase(N_("kv_cache [2, 6, block_size 1, 2 KV heads, head_dim 2], slot_mapping=[4, 0, 5, 2] (one token per "
+               "block)"), 6, 1, 2, 2, [4, 0, 5, 2]),
+    _WriteCase(N_("kv_cache [2, 6, block_size 4, 3 KV heads, head_dim 8], slot_mapping = the slots of positions 2..9 "
                "through block_table [5, 1, 3]; k and v are non-contiguous views, as the model passes them "
-               "(split out of one projection)", 6, 4, 3, 8, compute_slot_mapping([5, 1, 3], list(range(2, 10)), 4),
+               "(split out of one projection)"), 6, 4, 3, 8, compute_slot_mapping([5, 1, 3], list(range(2, 10)), 4),
                strided=True),
 ]
 
@@ -193,14 +203,15 @@ def _check_write_hidden(fn: Callable) -> int:
         expected = cache.clone()
         write_kv_cache(k, v, expected, sm)
         before = cache.clone()
-        call(fn, (cache, k, v, sm.clone()), "write_kv", c.desc)
+        desc = _(c.desc)
+        call(fn, (cache, k, v, sm.clone()), "write_kv", desc)
         problem = compare_tensors(expected, cache, what="kv_cache", atol=0, rtol=0)
         if problem is None:
             continue
         hint = None
         if torch.equal(cache, before):
-            hint = ("the cache did not change: the write went into a copy. Assign through a view, e.g. "
-                    "kv_cache[0].view(-1, H, D)[slot_mapping] = k.")
+            hint = (_("the cache did not change: the write went into a copy. Assign through a view, e.g. "
+                    "kv_cache[0].view(-1, H, D)[slot_mapping] = k."))
         else:
             swapped = before.clone()
             write_kv_cache(v.contiguous(), k.contiguous(), swapped, sm)
@@ -208,10 +219,10 @@ def _check_write_hidden(fn: Callable) -> int:
             first.view(2, -1, c.kv_heads, c.head_dim)[0, :t] = k
             first.view(2, -1, c.kv_heads, c.head_dim)[1, :t] = v
             if torch.equal(cache, swapped):
-                hint = "keys go to kv_cache[0] and values to kv_cache[1]."
+                hint = _("keys go to kv_cache[0] and values to kv_cache[1].")
             elif torch.equal(cache, first):
-                hint = "token i goes to slot slot_mapping[i], not to slot i."
-        fail("write_kv", c.desc, problem, hint)
+                hint = _("token i goes to slot slot_mapping[i], not to slot i.")
+        fail("write_kv", desc, problem, hint)
     return len(WRITE_HIDDEN)
 
 
@@ -230,17 +241,17 @@ def check_write_kv(fn: Any, hidden: bool = True) -> int:
 # ---- gather_kv --------------------------------------------------------------------------------------------------
 #: (description, num_blocks, block_size, kv_heads, head_dim, block_table, seq_len)
 GATHER_HIDDEN = [
-    ("block_table=[4, 0, 2, 5, 5] (padded with the cache's last block, 5, as the engine pads with its scratch "
-     "block), seq_len=17, block_size=8, 1 KV head", 6, 8, 1, 4, [4, 0, 2, 5, 5], 17),
-    ("block_table=[2, 1], seq_len=32 (two full blocks), block_size=16, 3 KV heads", 3, 16, 3, 8, [2, 1], 32),
-    ("block_table=[3, 5, 0, 1], seq_len=3, block_size=1, 2 KV heads", 6, 1, 2, 2, [3, 5, 0, 1], 3),
+    (N_("block_table=[4, 0, 2, 5, 5] (padded with the cache's last block, 5, as the engine pads with its scratch "
+     "block), seq_len=17, block_size=8, 1 KV head"), 6, 8, 1, 4, [4, 0, 2, 5, 5], 17),
+    (N_("block_table=[2, 1], seq_len=32 (two full blocks), block_size=16, 3 KV heads"), 3, 16, 3, 8, [2, 1], 32),
+    (N_("block_table=[3, 5, 0, 1], seq_len=3, block_size=1, 2 KV heads"), 6, 1, 2, 2, [3, 5, 0, 1], 3),
 ]
 
 
 def _check_gather_hidden(fn: Callable) -> int:
     g = torch.Generator().manual_seed(1304)
     for desc, nb, bs, hkv, d, bt, n in GATHER_HIDDEN:
-        paged.check_gather_case(fn, torch.randn(2, nb, bs, hkv, d, generator=g), bt, n, desc,
+        paged.check_gather_case(fn, torch.randn(2, nb, bs, hkv, d, generator=g), bt, n, _(desc),
                                 untrimmed=lambda rows, n=n: rows > n)
     return len(GATHER_HIDDEN)
 
@@ -258,17 +269,17 @@ def check_gather_kv(fn: Any, hidden: bool = True) -> int:
 # ---- paged_attention --------------------------------------------------------------------------------------------
 #: (description, num_blocks, block_size, heads, kv_heads, head_dim, block_table, num_computed, T)
 ATTENTION_HIDDEN = [
-    ("a chunk: T=7 tokens at positions 13..19 (num_computed=13), block_table=[5, 1, 9, 12, 12] (padded with the "
-     "scratch block 12), block_size=8, 9 query / 3 KV heads (SmolLM2's)", 13, 8, 9, 3, 16,
+    (N_("a chunk: T=7 tokens at positions 13..19 (num_computed=13), block_table=[5, 1, 9, 12, 12] (padded with the "
+     "scratch block 12), block_size=8, 9 query / 3 KV heads (SmolLM2's)"), 13, 8, 9, 3, 16,
      [5, 1, 9, 12, 12], 13, 7),
-    ("decode: T=1 token at position 40, block_table=[3, 0, 6], block_size=16, 4 query heads / 1 KV head (MQA)",
+    (N_("decode: T=1 token at position 40, block_table=[3, 0, 6], block_size=16, 4 query heads / 1 KV head (MQA)"),
      7, 16, 4, 1, 8, [3, 0, 6], 40, 1),
-    ("prefill: T=5 tokens, num_computed=0, block_table=[4, 2, 7, 1, 3], block_size=1, 2 query / 2 KV heads",
+    (N_("prefill: T=5 tokens, num_computed=0, block_table=[4, 2, 7, 1, 3], block_size=1, 2 query / 2 KV heads"),
      8, 1, 2, 2, 8, [4, 2, 7, 1, 3], 0, 5),
-    ("a chunk: T=20 tokens at positions 30..49 (num_computed=30), block_table=[2, 0], block_size=32, "
-     "8 query / 4 KV heads", 3, 32, 8, 4, 8, [2, 0], 30, 20),
-    ("a chunk: T=3 tokens at positions 10..12 (num_computed=10), block_table=[7, 3, 8, 1] (one block more than "
-     "needed), block_size=4, 6 query / 2 KV heads", 9, 4, 6, 2, 8, [7, 3, 8, 1], 10, 3),
+    (N_("a chunk: T=20 tokens at positions 30..49 (num_computed=30), block_table=[2, 0], block_size=32, "
+     "8 query / 4 KV heads"), 3, 32, 8, 4, 8, [2, 0], 30, 20),
+    (N_("a chunk: T=3 tokens at positions 10..12 (num_computed=10), block_table=[7, 3, 8, 1] (one block more than "
+     "needed), block_size=4, 6 query / 2 KV heads"), 9, 4, 6, 2, 8, [7, 3, 8, 1], 10, 3),
 ]
 
 
@@ -282,15 +293,17 @@ def _attention_cases() -> List[tuple]:
         cache = torch.randn(2, nb, bs, hkv, d, generator=g)
         q = torch.randn(t, h, d, generator=g)
         md = one_request_metadata(bt, n, t, bs)
-        cases.append((desc, (q, cache, torch.tensor(bt), n), reference_paged_attention(q, cache, md, 1.0 / math.sqrt(d))))
+        cases.append((_(desc), (q, cache, torch.tensor(bt), n), reference_paged_attention(q, cache, md, 1.0 / math.sqrt(d))))
     return cases
 
 
-def _gqa_note(msg: str) -> str:
+def _gqa_note(e: PartFailed) -> str:
     """A line for an error that a missing grouped-query repeat causes (a raw size mismatch names no hint)."""
-    if " raised " in msg and "size" in msg and "Hint:" not in msg:
-        return ("\n  Hint: k and v have num_kv_heads heads and q has num_heads: repeat each KV head "
-                "num_heads // num_kv_heads times (k.repeat_interleave(group, dim=1)) before the scores")
+    msg = str(e)
+    if getattr(e, "learner_raised", False) and "size" in msg and hint_label() not in msg:
+        return "\n  " + _("Hint: {hint}").format(hint=_(
+            "k and v have num_kv_heads heads and q has num_heads: repeat each KV head num_heads // num_kv_heads "
+            "times (k.repeat_interleave(group, dim=1)) before the scores"))
     return ""
 
 
@@ -302,11 +315,11 @@ def check_paged_attention(fn: Any, hidden: bool = True) -> int:
     try:
         n = _legacy(paged.check_paged_attention, fn, "paged_attention")
     except PartFailed as e:
-        raise PartFailed(str(e) + _gqa_note(str(e))) from None
+        raise PartFailed(str(e) + _gqa_note(e)) from None
     if hidden:
-        general = (HIDDEN_HINT + " Otherwise: gather this request's keys and values in position order, keep "
+        general = (_(HIDDEN_HINT) + _(" Otherwise: gather this request's keys and values in position order, keep "
                    "num_computed + T of them, then attend as in cached_attention (1 / sqrt(head_dim), the mask shifted by num_computed, "
-                   "repeat_interleave for grouped-query heads).")
+                   "repeat_interleave for grouped-query heads)."))
         n += _hidden(lambda: check_cases("paged_attention", fn, _attention_cases(), ATTENTION_VARIANTS,
                                          general_hint=general), "paged_attention")
     return n
@@ -357,8 +370,8 @@ def learner_attention_backend(slot_mapping: Callable, write_kv: Callable, paged_
                 calls["slot_mapping"] += 1
                 got = got.tolist() if isinstance(got, torch.Tensor) else list(got)
                 if len(got) != len(pos):
-                    raise RuntimeError(f"slot_mapping returned {len(got)} slots for request {i}'s {len(pos)} "
-                                       f"positions")
+                    raise RuntimeError(_("slot_mapping returned {n} slots for request {i}'s {positions} "
+                                         "positions").format(n=len(got), i=i, positions=len(pos)))
                 slots.extend(int(s) for s in got)
             fields["slot_mapping"] = torch.tensor(slots, dtype=torch.int64, device=cm.slot_mapping.device)
             return LearnerAttentionMetadata(**fields)
@@ -411,46 +424,46 @@ def reference_functions() -> Tuple[Callable, Callable, Callable]:
 register(Part(
     name="slot_mapping", lesson=LESSON, symbol="slot_mapping", kind="attention",
     seam=SEAM + ", its metadata builder",
-    writes="slot of each position: block_table[p // block_size] * block_size + p % block_size",
+    writes=N_("slot of each position: block_table[p // block_size] * block_size + p % block_size"),
     check=check_slot_mapping, reference=fallback.slot_mapping,
-    hints=("A position p lives in the request's block number p // block_size, at offset p % block_size in it.",
-           "block_table maps that logical block number to a physical block id b; physical block b covers the "
-           "slots b * block_size ... b * block_size + block_size - 1 of the flattened cache.",
+    hints=(N_("A position p lives in the request's block number p // block_size, at offset p % block_size in it."),
+           N_("block_table maps that logical block number to a physical block id b; physical block b covers the "
+           "slots b * block_size ... b * block_size + block_size - 1 of the flattened cache."),
            "return [block_table[p // block_size] * block_size + p % block_size for p in positions]"),
 ))
 
 register(Part(
     name="write_kv", lesson=LESSON, symbol="write_kv", kind="attention",
     seam=SEAM + ", AttentionImpl.forward (the write, vLLM reshape_and_cache_flash)",
-    writes="store this step's k and v at their slots of the paged cache, in place",
+    writes=N_("store this step's k and v at their slots of the paged cache, in place"),
     check=check_write_kv, reference=fallback.write_kv,
-    hints=("See kv_cache[0] (the keys) as one long array of slots: [num_blocks * block_size, num_kv_heads, head_dim].",
-           "Row i of k goes to row slot_mapping[i] of that view, and v likewise into kv_cache[1]. Assign into a "
-           "view (it shares storage with kv_cache); indexing with a tensor first gives a copy.",
+    hints=(N_("See kv_cache[0] (the keys) as one long array of slots: [num_blocks * block_size, num_kv_heads, head_dim]."),
+           N_("Row i of k goes to row slot_mapping[i] of that view, and v likewise into kv_cache[1]. Assign into a "
+           "view (it shares storage with kv_cache); indexing with a tensor first gives a copy."),
            "H, D = k.shape[1:]; kv_cache[0].view(-1, H, D)[slot_mapping] = k; kv_cache[1].view(-1, H, D)[slot_mapping] = v"),
 ))
 
 register(Part(
     name="gather_kv", lesson=LESSON, symbol="gather_kv", kind="attention",
     seam="attention_backend: not called by the learner backend itself; paged_attention repeats this read inside",
-    writes="read one request's first seq_len keys and values back through its block table",
+    writes=N_("read one request's first seq_len keys and values back through its block table"),
     check=check_gather_kv, reference=fallback.gather_kv,
-    hints=("The request's seq_len tokens fill its first ceil(seq_len / block_size) blocks; the rest of block_table "
-           "may be padding.",
-           "Index kv_cache[0] with those block ids in table order: [n_blocks, block_size, H, D]; merge the first two "
-           "axes and keep the first seq_len rows. The same for kv_cache[1].",
+    hints=(N_("The request's seq_len tokens fill its first ceil(seq_len / block_size) blocks; the rest of block_table "
+           "may be padding."),
+           N_("Index kv_cache[0] with those block ids in table order: [n_blocks, block_size, H, D]; merge the first two "
+           "axes and keep the first seq_len rows. The same for kv_cache[1]."),
            "n = -(-seq_len // block_size); k = kv_cache[0, block_table[:n]].reshape(-1, H, D)[:seq_len]"),
 ))
 
 register(Part(
     name="paged_attention", lesson=LESSON, symbol="paged_attention", kind="attention",
     seam=SEAM + ", AttentionImpl.forward (attention per request)",
-    writes="one request's causal GQA attention over its keys read through its block table",
+    writes=N_("one request's causal GQA attention over its keys read through its block table"),
     check=check_paged_attention, reference=fallback.paged_attention,
-    hints=("Gather the request's num_computed + T keys and values through block_table (as in gather_kv, written "
-           "inside this function), then attend as notebook 02's cached_attention does.",
-           "Query row i is position num_computed + i and sees keys 0 .. num_computed + i. Query head j uses KV head "
-           "j // (num_heads // num_kv_heads) (repeat_interleave). Scale the scores by 1 / sqrt(head_dim).",
+    hints=(N_("Gather the request's num_computed + T keys and values through block_table (as in gather_kv, written "
+           "inside this function), then attend as notebook 02's cached_attention does."),
+           N_("Query row i is position num_computed + i and sees keys 0 .. num_computed + i. Query head j uses KV head "
+           "j // (num_heads // num_kv_heads) (repeat_interleave). Scale the scores by 1 / sqrt(head_dim)."),
            "scores = torch.einsum('qhd,khd->hqk', q, k) / D ** 0.5; "
            "out = torch.einsum('hqk,khd->qhd', scores.masked_fill(~allowed, float('-inf')).softmax(-1), v)"),
 ))

@@ -34,6 +34,7 @@ from typing import Any, Dict, List, Type
 from minivllm.core.sched.scheduler import Scheduler, SchedulerStep
 from minivllm.course.learner import compare
 from minivllm.course.learner.parts import Part, register
+from minivllm.i18n import N_, _
 
 PART = "waiting_loop"
 METHODS = ("_schedule_waiting",)
@@ -120,9 +121,10 @@ def _guarded(cls: Type[Scheduler]) -> type:
             peeks[0] += 1
             if peeks[0] > limit:
                 raise LimitExceeded(
-                    f"step {call}: your loop peeked at the waiting queue's head {peeks[0]} times with only {waiting} "
-                    "requests waiting: a request that is not admitted must stop the loop (break); a `continue` "
-                    "that leaves it at the head looks at it forever")
+                    _("step {step}: your loop peeked at the waiting queue's head {peeks} times with only {waiting} "
+                      "requests waiting: a request that is not admitted must stop the loop (break); a `continue` "
+                      "that leaves it at the head looks at it forever").format(step=call, peeks=peeks[0],
+                                                                               waiting=waiting))
             return peek()
 
         queue.peek_request = counted_peek  # type: ignore[method-assign]
@@ -132,16 +134,19 @@ def _guarded(cls: Type[Scheduler]) -> type:
             del queue.peek_request
         if len(self.running) > cfg.max_num_seqs:
             raise LimitExceeded(
-                f"step {call}: after your waiting loop {len(self.running)} requests run "
-                f"({', '.join(r.request_id for r in self.running)}), more than max_num_seqs={cfg.max_num_seqs}: "
-                "the loop must stop once len(self.running) reaches max_num_seqs")
+                _("step {step}: after your waiting loop {n} requests run ({requests}), more than "
+                  "max_num_seqs={max_num_seqs}: the loop must stop once len(self.running) reaches "
+                  "max_num_seqs").format(step=call, n=len(self.running),
+                                         requests=", ".join(r.request_id for r in self.running),
+                                         max_num_seqs=cfg.max_num_seqs))
         total = sum(step.num_scheduled_tokens.values())
         if step.token_budget != cfg.max_num_batched_tokens - total:
             raise LimitExceeded(
-                f"step {call}: after your waiting loop step.token_budget is {step.token_budget}, but the step "
-                f"scheduled {total} tokens ({step.num_scheduled_tokens}) of max_num_batched_tokens="
-                f"{cfg.max_num_batched_tokens}, which leaves {cfg.max_num_batched_tokens - total}: each admitted "
-                "request's tokens come off the budget")
+                _("step {step}: after your waiting loop step.token_budget is {budget}, but the step scheduled "
+                  "{total} tokens ({scheduled}) of max_num_batched_tokens={max_tokens}, which leaves {left}: each "
+                  "admitted request's tokens come off the budget").format(
+                    step=call, budget=step.token_budget, total=total, scheduled=step.num_scheduled_tokens,
+                    max_tokens=cfg.max_num_batched_tokens, left=cfg.max_num_batched_tokens - total))
 
     return type(cls.__name__, (cls,), {"_schedule_waiting": _schedule_waiting, "__module__": cls.__module__})
 
@@ -159,15 +164,15 @@ def check_waiting_loop(cls: Any, hidden: bool = True) -> int:
 
 
 HINTS = (
-    "Read Scheduler._schedule_waiting's docstring (minivllm/core/sched/scheduler.py). Three things must hold "
+    N_("Read Scheduler._schedule_waiting's docstring (minivllm/core/sched/scheduler.py). Three things must hold "
     "before the loop looks at the next waiting request; the first request that cannot be admitted ends the loop. "
-    "Peek, and take a request out of the queue only once its blocks are allocated.",
-    "while the queue is not empty, step.token_budget > 0 and len(self.running) < max_num_seqs: peek the head; if "
+    "Peek, and take a request out of the queue only once its blocks are allocated."),
+    N_("while the queue is not empty, step.token_budget > 0 and len(self.running) < max_num_seqs: peek the head; if "
     "its chunk is None or allocate_slots(...) returns None, break (nothing overtakes it; with "
     "full_sequence_must_fit=self.config.scheduler_reserve_full_isl, allocate_slots refuses a request whose whole "
     "current sequence does not fit the free blocks). Then pop it, append it to self.running, list it in "
     "step.resumed_reqs if its status is PREEMPTED else in step.new_reqs, set it RUNNING, set its "
-    "num_computed_tokens, and record its tokens and block ids in the step; the tokens come off step.token_budget.",
+    "num_computed_tokens, and record its tokens and block ids in the step; the tokens come off step.token_budget."),
     "while self.waiting and step.token_budget > 0 and len(self.running) < self.config.max_num_seqs:\n"
     "    request = self.waiting.peek_request()\n"
     "    ...\n"
@@ -191,6 +196,6 @@ HINTS = (
 register(Part(
     name=PART, lesson="04", symbol="WaitingLoop", kind="scheduler",
     seam="scheduler_cls: Scheduler._schedule_waiting",
-    writes="waiting loop: budget, max_num_seqs, whole prompt, FCFS",
+    writes=N_("waiting loop: budget, max_num_seqs, whole prompt, FCFS"),
     check=check_waiting_loop, hints=HINTS, reference=Scheduler,
 ))

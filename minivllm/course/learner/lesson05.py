@@ -23,7 +23,8 @@ import numpy as np
 import torch
 
 from minivllm.course.learner import compare
-from minivllm.course.learner.parts import NotWritten, Part, PartFailed, register
+from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
+from minivllm.i18n import N_, _
 from minivllm.core.sched.scheduler import Scheduler
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,11 +91,11 @@ def _chunk_meaning(d: Any, expected: Optional[Dict[str, Any]], got: Optional[Dic
     if d.field != "num_scheduled_tokens" or expected is None or got is None or d.request is None:
         return ""
     if (got.get("num_scheduled_tokens") or {}).get(d.request) == 0:
-        return (f"  {d.request} was admitted with 0 tokens: with chunked prefill off, a request that does not fit "
-                "returns None from _num_new_tokens_waiting (the waiting loop stops), not 0")
+        return _("  {request} was admitted with 0 tokens: with chunked prefill off, a request that does not fit "
+                 "returns None from _num_new_tokens_waiting (the waiting loop stops), not 0").format(request=d.request)
     if d.request in (expected.get("resumed") or []):
-        return (f"  {d.request} was resumed after a preemption: its chunk counts from request.num_tokens (its "
-                "outputs included), not from the prompt")
+        return _("  {request} was resumed after a preemption: its chunk counts from request.num_tokens (its "
+                 "outputs included), not from the prompt").format(request=d.request)
     return ""
 
 
@@ -111,16 +112,16 @@ register(Part(
     symbol="ChunkSizing",
     kind="scheduler",
     seam="scheduler_cls: Scheduler._long_prefill_token_threshold, _num_new_tokens_running, _num_new_tokens_waiting",
-    writes="the step's cap (lone-request rule) and each request's chunk, running and waiting",
+    writes=N_("the step's cap (lone-request rule) and each request's chunk, running and waiting"),
     check=check_chunk_sizing,
     hints=(
-        "A chunk is what the request still wants, capped twice: by the step's long_prefill_token_threshold "
+        N_("A chunk is what the request still wants, capped twice: by the step's long_prefill_token_threshold "
         "(when it is > 0) and by the budget left (step.token_budget). The cap itself is 0 when the request is "
-        "alone.",
-        "_long_prefill_token_threshold: 0 when len(self.running) + len(self.waiting) <= 1, else the configured "
+        "alone."),
+        N_("_long_prefill_token_threshold: 0 when len(self.running) + len(self.waiting) <= 1, else the configured "
         "value. Running: wanted = num_tokens + placeholders - num_computed_tokens. Waiting: wanted = num_tokens - "
         "num_computed_tokens (num_tokens, not the prompt: a resumed request recomputes its outputs too); without "
-        "chunked prefill a prompt that does not fit the budget left is not cut: return None.",
+        "chunked prefill a prompt that does not fit the budget left is not cut: return None."),
         "if 0 < step.long_prefill_token_threshold < n: n = step.long_prefill_token_threshold\n"
         "if not self.config.enable_chunked_prefill and n > step.token_budget: return None\n"
         "return min(n, step.token_budget)",
@@ -251,8 +252,8 @@ def _as_list(v: Any, field: str, case: BatchCase) -> List[int]:
     try:
         return [int(x) for x in np.asarray(v if not isinstance(v, torch.Tensor) else v.cpu()).reshape(-1)]
     except Exception as e:  # noqa: BLE001 - any unusable value is the learner's to fix
-        raise PartFailed(f"flattened_batch: on {case.name}, {field} is not a sequence of ints "
-                         f"({type(v).__name__}: {e})") from None
+        raise PartFailed(_("flattened_batch: on {case}, {field} is not a sequence of ints ({type}: {error})").format(
+            case=case.name, field=field, type=type(v).__name__, error=e)) from None
 
 
 def _where(field: str, i: int, expected: Dict[str, List[int]], rids: List[str]) -> str:
@@ -261,23 +262,25 @@ def _where(field: str, i: int, expected: Dict[str, List[int]], rids: List[str]) 
     if field in ("positions", "slot_mapping"):
         r = int(np.searchsorted(qsl, i, side="right")) - 1
         if 0 <= r < len(rids):
-            return f"request {rids[r]}, its row {i - qsl[r]} (batch row {i})"
+            return _("request {request}, its row {row} (batch row {i})").format(request=rids[r], row=i - qsl[r], i=i)
     if field == "logits_indices" and i < len(rids):
-        return f"request {rids[i]}"
+        return _("request {request}").format(request=rids[i])
     if field == "query_start_loc":
-        return f"entry {i}" + (f" (where request {rids[i]} starts)" if i < len(rids) else " (the total)")
-    return f"entry {i}"
+        if i < len(rids):
+            return _("entry {i} (where request {request} starts)").format(i=i, request=rids[i])
+        return _("entry {i} (the total)").format(i=i)
+    return _("entry {i}").format(i=i)
 
 
 # What a difference in each field usually means, appended to the first difference (a fresh learner's read: the
-# hints are the same for every failure, these lines are not).
+# hints are the same for every failure, these lines are not). English; translated where printed.
 _BATCH_MEANING = {
-    "query_start_loc": ("\n  query_start_loc is [0, then each request's end], the cumulative sum of num_scheduled_tokens "
-                        "in the dict's order (the batch order: do not sort the requests)"),
-    "positions": "\n  a request's rows sit at positions num_computed_tokens, num_computed_tokens + 1, ...",
-    "slot_mapping": ("\n  a token's slot is block_table[position // block_size] * block_size + position % block_size, "
-                     "from its position (not its batch row)"),
-    "logits_indices": "\n  logits_indices holds each request's last row: query_start_loc[i + 1] - 1",
+    "query_start_loc": N_("query_start_loc is [0, then each request's end], the cumulative sum of "
+                          "num_scheduled_tokens in the dict's order (the batch order: do not sort the requests)"),
+    "positions": N_("a request's rows sit at positions num_computed_tokens, num_computed_tokens + 1, ..."),
+    "slot_mapping": N_("a token's slot is block_table[position // block_size] * block_size + position % block_size, "
+                       "from its position (not its batch row)"),
+    "logits_indices": N_("logits_indices holds each request's last row: query_start_loc[i + 1] - 1"),
 }
 
 
@@ -287,24 +290,29 @@ def first_batch_difference(case: BatchCase, got: Dict[str, Any]) -> Optional[str
     rids = list(case.args[0])
     for f in BATCH_FIELDS:
         if f not in got:
-            return f"your result has no {f!r} (it has {sorted(got)})"
+            return _("your result has no {field} (it has {keys})").format(field=repr(f), keys=sorted(got))
         a, b = case.expected[f], _as_list(got[f], f, case)
         if a == b:
             continue
         i = next((k for k, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         lo = max(0, i - 3)
         if len(a) != len(b) and i == min(len(a), len(b)):
-            head = f"field {f}: {len(b)} entries, the runner has {len(a)}"
+            head = _("field {field}: {n} entries, the runner has {expected}").format(field=f, n=len(b),
+                                                                                    expected=len(a))
         else:
-            head = f"field {f}, {_where(f, i, case.expected, rids)}: expected {a[i]}, yours {b[i]}"
+            head = _("field {field}, {where}: expected {expected}, yours {got}").format(
+                field=f, where=_where(f, i, case.expected, rids), expected=a[i], got=b[i])
         sched, computed, tables, bs = case.args
-        head += _BATCH_MEANING.get(f, "")
-        return (f"first difference: {head}\n"
-                f"    expected {f}[{lo}:{i + 4}]: {a[lo:i + 4]}\n"
-                f"    yours    {f}[{lo}:{i + 4}]: {b[lo:i + 4]}\n"
-                f"  the step's requests (batch order): "
-                + "; ".join(f"{r}: {sched[r]} tokens on top of {computed[r]}, blocks {list(tables[r])}"
-                            for r in rids) + f"; block_size {bs}")
+        if f in _BATCH_MEANING:
+            head += "\n  " + _(_BATCH_MEANING[f])
+        span = f"{f}[{lo}:{i + 4}]"
+        return (_("first difference: {head}").format(head=head) + "\n"
+                + _("    expected {span}: {values}").format(span=span, values=a[lo:i + 4]) + "\n"
+                + _("    yours    {span}: {values}").format(span=span, values=b[lo:i + 4]) + "\n"
+                + _("  the step's requests (batch order): {requests}; block_size {block_size}").format(
+                    requests="; ".join(_("{request}: {n} tokens on top of {computed}, blocks {blocks}").format(
+                        request=r, n=sched[r], computed=computed[r], blocks=list(tables[r])) for r in rids),
+                    block_size=bs))
     return None
 
 
@@ -316,22 +324,23 @@ def check_flattened_batch(fn: Any, hidden: bool = True) -> int:
     Returns the number of steps checked. Raises ``NotWritten`` while ``fn`` raises ``NotImplementedError``,
     ``PartFailed`` naming the run, step, field, request and row of the first difference."""
     if not callable(fn):
-        raise PartFailed(f"flattened_batch: expected a function, got {fn!r}")
+        raise PartFailed(_("flattened_batch: expected a function, got {value}").format(value=repr(fn)))
     cases = list(notebook_batch_cases()) + (list(hidden_batch_cases()) if hidden else [])
     for case in cases:
         args = (dict(case.args[0]), dict(case.args[1]), {k: list(v) for k, v in case.args[2].items()}, case.args[3])
         try:
             got = fn(*args)
         except NotImplementedError:
-            raise NotWritten(f"{getattr(fn, '__name__', 'flatten_batch')} still raises NotImplementedError") from None
+            raise NotWritten(not_written_message(getattr(fn, '__name__', 'flatten_batch'))) from None
         except Exception as e:  # noqa: BLE001 - reported with its step
-            raise PartFailed(f"flattened_batch: your function raised {type(e).__name__}: {e}\n  on {case.name}") from None
+            raise PartFailed(_("flattened_batch: your function raised {error}: {message}").format(
+                error=type(e).__name__, message=e) + "\n" + _("  on {case}").format(case=case.name)) from None
         if not isinstance(got, dict):
-            raise PartFailed(f"flattened_batch: on {case.name}, expected a dict with keys {list(BATCH_FIELDS)}, "
-                             f"got {type(got).__name__}")
+            raise PartFailed(_("flattened_batch: on {case}, expected a dict with keys {keys}, got {type}").format(
+                case=case.name, keys=list(BATCH_FIELDS), type=type(got).__name__))
         d = first_batch_difference(case, got)
         if d is not None:
-            raise PartFailed(f"on {case.name}\n{d}")
+            raise PartFailed(_("on {case}").format(case=case.name) + f"\n{d}")
     return len(cases)
 
 
@@ -341,14 +350,14 @@ register(Part(
     symbol="flatten_batch",
     kind="runner",
     seam="model runner: ModelRunnerBase._prepare_inputs (query_start_loc, positions, slot_mapping, logits_indices)",
-    writes="one step's query_start_loc, positions, slot_mapping, logits_indices",
+    writes=N_("one step's query_start_loc, positions, slot_mapping, logits_indices"),
     check=check_flattened_batch,
     hints=(
-        "Walk the requests in batch order (the order of num_scheduled_tokens). Each one adds n rows; row j of a "
-        "request sits at position num_computed_tokens + j, not at j.",
-        "query_start_loc starts at 0 and adds each request's n; positions of a request are range(c, c + n); the "
+        N_("Walk the requests in batch order (the order of num_scheduled_tokens). Each one adds n rows; row j of a "
+        "request sits at position num_computed_tokens + j, not at j."),
+        N_("query_start_loc starts at 0 and adds each request's n; positions of a request are range(c, c + n); the "
         "slot of position p is block_table[p // block_size] * block_size + p % block_size; logits_indices is "
-        "each request's LAST row, one before where the next request starts.",
+        "each request's LAST row, one before where the next request starts."),
         "for rid, n in num_scheduled_tokens.items():\n"
         "    c, table = num_computed_tokens[rid], block_tables[rid]\n"
         "    positions += range(c, c + n)\n"

@@ -33,6 +33,7 @@ from typing import Any, Dict, List
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.course.learner import compare
 from minivllm.course.learner.parts import Part, register
+from minivllm.i18n import N_
 
 RUNNING_LOOP_METHODS = ("_schedule_running", "_admission_gate_open")
 PREEMPTION_METHODS = ("_allocate_slots_or_preempt", "_pick_victim", "_preempt_request")
@@ -132,17 +133,17 @@ def scheduler_cls(running_loop: type, preemption: type) -> type:
 register(Part(
     name="running_loop", lesson="06", symbol="RunningLoop", kind="scheduler",
     seam="scheduler_cls: Scheduler._schedule_running, Scheduler._admission_gate_open",
-    writes="the running loop (in order, stop at the first that cannot get blocks) and the gate",
+    writes=N_("the running loop (in order, stop at the first that cannot get blocks) and the gate"),
     check=check_running_loop,
     hints=(
-        "Walk self.running with the cursor step.req_index (not a for loop: a preemption removes requests from "
+        N_("Walk self.running with the cursor step.req_index (not a for loop: a preemption removes requests from "
         "self.running and may move the cursor back), while step.token_budget > 0. And the gate: which list of "
-        "the step says that somebody was preempted in it?",
-        "For each request: n = self._num_new_tokens_running(request, step); skip it (req_index += 1) when n <= 0; "
+        "the step says that somebody was preempted in it?"),
+        N_("For each request: n = self._num_new_tokens_running(request, step); skip it (req_index += 1) when n <= 0; "
         "blocks = self._allocate_slots_or_preempt(request, n, step); None means it could not get its blocks (it "
         "may have preempted itself): stop the loop, nobody behind it runs in this step (vLLM 0.32 `break`). "
         "Otherwise record it in step.running_scheduled, step.num_scheduled_tokens, step.new_block_ids (block "
-        "ids), spend step.token_budget and move the cursor. The gate is open only in a step that preempted nobody.",
+        "ids), spend step.token_budget and move the cursor. The gate is open only in a step that preempted nobody."),
         "if new_blocks is None: break  ...  step.new_block_ids[request.request_id] = [b.block_id for b in "
         "new_blocks]; step.token_budget -= num_new_tokens; step.req_index += 1   and   "
         "return not step.preempted_reqs",
@@ -153,18 +154,18 @@ register(Part(
 register(Part(
     name="preempt_request", lesson="06", symbol="Preemption", kind="scheduler",
     seam="scheduler_cls: Scheduler._allocate_slots_or_preempt, _pick_victim, _preempt_request",
-    writes="allocate or preempt: the victim, what preemption resets, where the victim goes",
+    writes=N_("allocate or preempt: the victim, what preemption resets, where the victim goes"),
     check=check_preempt_request,
     hints=(
-        "Retry kv_cache_manager.allocate_slots in a loop; each failure preempts one victim. Which running "
+        N_("Retry kv_cache_manager.allocate_slots in a loop; each failure preempts one victim. Which running "
         "request does FCFS give up (section 1)? What does a preempted request lose, and where does it wait "
-        "(section 3)?",
-        "Victim: self.running[-1] (FCFS), max(self.running, key=lambda r: (r.priority, r.arrival_time)) "
+        "(section 3)?"),
+        N_("Victim: self.running[-1] (FCFS), max(self.running, key=lambda r: (r.priority, r.arrival_time)) "
         "(priority). Take it out of self.running (move step.req_index back if it stood before the cursor; if it "
         "was already scheduled in this step, give back its tokens and block ids), preempt it, append it to "
         "step.preempted_reqs; when the victim was the request itself, return None. _preempt_request: status "
         "PREEMPTED, num_computed_tokens = 0 (its KV is gone, its tokens are kept), num_preemptions += 1, and the "
-        "FRONT of the waiting queue.",
+        "FRONT of the waiting queue."),
         "request.status = RequestStatus.PREEMPTED; request.num_computed_tokens = 0; request.num_preemptions += 1; "
         "self.waiting.prepend_request(request)",
     ),

@@ -33,12 +33,14 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.core.sched.scheduler import Scheduler
 from minivllm.course.learner import compare
-from minivllm.course.learner.parts import NotWritten, Part, PartFailed, register
+from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
+from minivllm.i18n import N_, _, ngettext
 
 PART = "prefix_cache_lookup"
 METHODS = ("_prefix_cache_lookup",)
 
-SHORTCUT = ("your PrefixCacheLookup called kv_cache_manager.get_computed_blocks (directly, or through "
+#: English; translated where raised.
+SHORTCUT = N_("your PrefixCacheLookup called kv_cache_manager.get_computed_blocks (directly, or through "
             "super()._prefix_cache_lookup without a connector): that is the lookup this exercise writes. Walk "
             "request.block_hashes with self.kv_cache_manager.block_pool.get_cached_block(h) instead.")
 
@@ -155,7 +157,7 @@ def _lookup_cases(cls: type, block_sizes: Sequence[int]) -> int:
         for caching in (True, False):
             kv = KVCacheManager(num_gpu_blocks=64, block_size=bs, max_model_len=256, enable_caching=caching)
             hasher = get_request_block_hasher(bs)
-            base = [rng.randrange(3, 512) for _ in range(6 * bs)]
+            base = [rng.randrange(3, 512) for _i in range(6 * bs)]
             seed = Request("seed", base, SamplingParams(temperature=0, max_tokens=1), block_hasher=hasher)
             kv.allocate_slots(seed, len(base))
             seed.num_computed_tokens = len(base)
@@ -164,7 +166,7 @@ def _lookup_cases(cls: type, block_sizes: Sequence[int]) -> int:
             if caching and bs > 1:
                 # Block 3 alone evicted (hidden workload "a miss in the middle" reaches this in a real run).
                 kv.block_pool.cached_block_hash_to_block.pop(seed.block_hashes[3]).block_hash = None
-                evicted = ", block 3 evicted"
+                evicted = _(", block 3 evicted")
             sched = _harness(cls, guard=True)(SchedulerConfig(max_model_len=256), kv, None)
             lengths = list(range(1, 6 * bs + 3)) if caching else [6 * bs]
             for n in lengths:
@@ -174,27 +176,32 @@ def _lookup_cases(cls: type, block_sizes: Sequence[int]) -> int:
                     req = Request(f"r{n}", tokens, params, block_hasher=hasher)
                     exp_blocks, exp_tokens = KVCacheManager.get_computed_blocks(kv, req)
                     k = len(req.block_hashes)
-                    where = (f"a request of {n} tokens (block_size={bs}, {k} full block{'' if k == 1 else 's'}"
-                             f"{', skip_reading_prefix_cache=True' if skip else ''}) against a pool that caches "
-                             f"a 6-block prompt with the same first tokens{evicted}"
-                             f"{'' if caching else ', prefix caching off'}")
+                    where = ngettext("a request of {n} tokens (block_size={bs}, {k} full block{skip}) against a pool "
+                                     "that caches a 6-block prompt with the same first tokens{evicted}{off}",
+                                     "a request of {n} tokens (block_size={bs}, {k} full blocks{skip}) against a pool "
+                                     "that caches a 6-block prompt with the same first tokens{evicted}{off}", k).format(
+                        n=n, bs=bs, k=k, skip=", skip_reading_prefix_cache=True" if skip else "", evicted=evicted,
+                        off="" if caching else _(", prefix caching off"))
                     before = _pool_state(kv)
                     try:
                         hit = sched._prefix_cache_lookup(req)
                     except NotImplementedError:
-                        raise NotWritten(f"{cls.__name__} still raises NotImplementedError") from None
+                        raise NotWritten(not_written_message(cls.__name__)) from None
                     except _Shortcut:
-                        raise PartFailed(f"{PART}: {SHORTCUT}") from None
+                        raise PartFailed(f"{PART}: {_(SHORTCUT)}") from None
                     except Exception as e:  # noqa: BLE001 - the learner's error is reported with its case
-                        extra = ("\n  in minivllm the flag is request.sampling_params.skip_reading_prefix_cache "
-                                 "(vLLM 0.32 copies it onto the Request); prefix_cache_lookup_enabled(request) "
-                                 "reads it for you") if "skip_reading_prefix_cache" in str(e) else ""
-                        raise PartFailed(f"{PART}: your {cls.__name__}._prefix_cache_lookup raised "
-                                         f"{type(e).__name__}: {e}\n  on {where}{extra}") from None
+                        extra = ("\n" + _("  in minivllm the flag is request.sampling_params.skip_reading_prefix_cache "
+                                          "(vLLM 0.32 copies it onto the Request); "
+                                          "prefix_cache_lookup_enabled(request) reads it for you")
+                                 ) if "skip_reading_prefix_cache" in str(e) else ""
+                        raise PartFailed(_("{part}: your {cls}._prefix_cache_lookup raised {error}: {message}").format(
+                            part=PART, cls=cls.__name__, error=type(e).__name__, message=e)
+                            + "\n" + _("  on {where}").format(where=where) + extra) from None
                     _compare_hit(hit, exp_blocks, exp_tokens, bs, where, req, kv)
                     if _pool_state(kv) != before:
-                        raise PartFailed(f"{PART}: on {where}, your lookup changed the block pool (ref_cnt or the "
-                                         "free queue): a lookup only finds blocks; allocate_slots takes them")
+                        raise PartFailed(_("{part}: on {where}, your lookup changed the block pool (ref_cnt or the "
+                                           "free queue): a lookup only finds blocks; allocate_slots takes them").format(
+                            part=PART, where=where))
                     n_cases += 1
     return n_cases
 
@@ -207,54 +214,61 @@ def _pool_state(kv: Any) -> tuple:
 
 def _compare_hit(hit: Any, exp_blocks: list, exp_tokens: int, bs: int, where: str, req: Any, kv: Any) -> None:
     if not (isinstance(hit, tuple) and len(hit) == 4):
-        raise PartFailed(f"{PART}: on {where}, your lookup returned {hit!r}; return PrefixCacheHit(blocks, "
-                         "num_tokens, 0, False) (the given lines at the end of the cell do)")
+        raise PartFailed(_("{part}: on {where}, your lookup returned {value}; return PrefixCacheHit(blocks, "
+                           "num_tokens, 0, False) (the given lines at the end of the cell do)").format(
+            part=PART, where=where, value=repr(hit)))
     blocks, tokens, external, load_async = hit
     try:
         got_ids = [b.block_id for b in blocks]
     except (TypeError, AttributeError):
-        raise PartFailed(f"{PART}: on {where}, new_computed_blocks must be a list of KVCacheBlock "
-                         f"(what get_cached_block returns), got {blocks!r}") from None
+        raise PartFailed(_("{part}: on {where}, new_computed_blocks must be a list of KVCacheBlock (what "
+                           "get_cached_block returns), got {value}").format(part=PART, where=where,
+                                                                            value=repr(blocks))) from None
     exp_ids = [b.block_id for b in exp_blocks]
     if got_ids != exp_ids or tokens != exp_tokens:
         flags = [kv.block_pool.get_cached_block(h) is not None for h in req.block_hashes]
         why = _why(got_ids, exp_ids, tokens, exp_tokens, bs, req, kv)
         raise PartFailed(
-            f"{PART}: on {where}\n"
-            f"  cached per full block of the request: {flags}; last-block rule: at most "
-            f"({req.num_tokens} - 1) // {bs} = {_n_blocks((req.num_tokens - 1) // bs)}\n"
-            f"    expected: {_blocks(exp_ids)}, num_new_local_computed_tokens {exp_tokens}\n"
-            f"    yours:    {_blocks(got_ids)}, num_new_local_computed_tokens {tokens}" + why)
+            _("{part}: on {where}").format(part=PART, where=where) + "\n"
+            + _("  cached per full block of the request: {flags}; last-block rule: at most ({num_tokens} - 1) // "
+                "{bs} = {limit}").format(flags=flags, num_tokens=req.num_tokens, bs=bs,
+                                         limit=_n_blocks((req.num_tokens - 1) // bs)) + "\n"
+            + _("    expected: {blocks}, num_new_local_computed_tokens {tokens}").format(blocks=_blocks(exp_ids),
+                                                                                       tokens=exp_tokens) + "\n"
+            + _("    yours:    {blocks}, num_new_local_computed_tokens {tokens}").format(blocks=_blocks(got_ids),
+                                                                                       tokens=tokens) + why)
     if (external, load_async) != (0, False):
-        raise PartFailed(f"{PART}: on {where} (no connector), num_external_computed_tokens and load_kv_async must "
-                         f"be 0 and False, yours are {external!r} and {load_async!r}")
+        raise PartFailed(_("{part}: on {where} (no connector), num_external_computed_tokens and load_kv_async must be "
+                           "0 and False, yours are {external} and {load_async}").format(
+            part=PART, where=where, external=repr(external), load_async=repr(load_async)))
 
 
 def _n_blocks(n: int) -> str:
-    return f"{n} block{'' if n == 1 else 's'}"
+    return ngettext("{n} block", "{n} blocks", n).format(n=n)
 
 
 def _blocks(ids: list) -> str:
-    return f"{len(ids)} block{'' if len(ids) == 1 else 's'} {ids}"
+    return ngettext("{n} block {ids}", "{n} blocks {ids}", len(ids)).format(n=len(ids), ids=ids)
 
 
 def _why(got: list, exp: list, tokens: int, exp_tokens: int, bs: int, req: Any, kv: Any) -> str:
     """Name the known mistake a wrong lookup matches, as a last line (empty when none does)."""
     if got == exp:
-        return f"\n  the blocks are right: the tokens they hold are len(blocks) * block_size = {len(exp) * bs}"
+        return "\n" + _("  the blocks are right: the tokens they hold are len(blocks) * block_size = {n}").format(
+            n=len(exp) * bs)
     if req.sampling_params.skip_reading_prefix_cache and exp == []:
-        return ("\n  this request has skip_reading_prefix_cache: it may not read the cache "
-                "(kv_cache_manager.prefix_cache_lookup_enabled(request) is False)")
+        return "\n" + _("  this request has skip_reading_prefix_cache: it may not read the cache "
+                        "(kv_cache_manager.prefix_cache_lookup_enabled(request) is False)")
     if len(got) > len(exp) and len(exp) == (req.num_tokens - 1) // bs:
-        return ("\n  the last-block rule: take at most (num_tokens - 1) // block_size blocks, so that the last token "
-                "is computed (its logits sample the next token)")
+        return "\n" + _("  the last-block rule: take at most (num_tokens - 1) // block_size blocks, so that the last "
+                        "token is computed (its logits sample the next token)")
     if len(got) > len(exp):
-        return ("\n  the lookup stops at the first miss: a later block's hash chains this one's, so a later hit "
-                "cannot be used without the missing block's KV")
+        return "\n" + _("  the lookup stops at the first miss: a later block's hash chains this one's, so a later "
+                        "hit cannot be used without the missing block's KV")
     if got == exp[:len(got)]:
-        return (f"\n  you took fewer blocks than are cached and allowed: the limit is (num_tokens - 1) // block_size "
-                f"= {_n_blocks((req.num_tokens - 1) // bs)}, and num_tokens counts a resumed request's output "
-                "tokens too (not only num_prompt_tokens)")
+        return "\n" + _("  you took fewer blocks than are cached and allowed: the limit is (num_tokens - 1) // "
+                        "block_size = {limit}, and num_tokens counts a resumed request's output tokens too (not only "
+                        "num_prompt_tokens)").format(limit=_n_blocks((req.num_tokens - 1) // bs))
     return ""
 
 
@@ -270,31 +284,34 @@ def check(cls: Any, hidden: bool) -> int:
 
 def _check_workload(cls: type, w: Dict[str, Any]) -> int:
     skip = w.get("skip_reading", [])
-    where = compare.describe(w) + (f" with skip_reading_prefix_cache on {', '.join(skip)}" if skip else "")
+    where = compare.describe(w) + (_(" with skip_reading_prefix_cache on {requests}").format(
+        requests=", ".join(skip)) if skip else "")
     expected = compare.run_steps(w, _harness(Scheduler, skip))
     try:
         got = compare.run_steps(w, _harness(cls, skip, guard=True))
     except NotImplementedError:
-        raise NotWritten(f"{cls.__name__} still raises NotImplementedError") from None
+        raise NotWritten(not_written_message(cls.__name__)) from None
     except _Shortcut:
-        raise PartFailed(f"{PART}: {SHORTCUT}") from None
+        raise PartFailed(f"{PART}: {_(SHORTCUT)}") from None
     except Exception as e:  # noqa: BLE001 - the learner's error is reported with its workload
-        raise PartFailed(f"{PART}: your {cls.__name__} raised {type(e).__name__}: {e}\n  on workload {where}") from None
+        raise PartFailed(_("{part}: your {cls} raised {error}: {message}").format(
+            part=PART, cls=cls.__name__, error=type(e).__name__, message=e)
+            + "\n" + _("  on workload {workload}").format(workload=where)) from None
     d = compare.first_difference(expected, got)
     if d is not None:
         e_step = expected[d.step] if d.step < len(expected) else None
         g_step = got[d.step] if d.step < len(got) else None
-        raise PartFailed(f"on workload {where}\n{d.format(e_step, g_step)}")
+        raise PartFailed(_("on workload {workload}").format(workload=where) + f"\n{d.format(e_step, g_step)}")
     return 1
 
 
 HINTS = (
-    "Three rules, in this order: may this request read the cache at all "
+    N_("Three rules, in this order: may this request read the cache at all "
     "(self.kv_cache_manager.prefix_cache_lookup_enabled(request))? How many blocks may it take at most, so that its "
-    "last token is still computed? Then walk request.block_hashes from the first: where does the walk stop?",
-    "max_blocks = (request.num_tokens - 1) // block_size. For each hash h of request.block_hashes[:max_blocks], "
+    "last token is still computed? Then walk request.block_hashes from the first: where does the walk stop?"),
+    N_("max_blocks = (request.num_tokens - 1) // block_size. For each hash h of request.block_hashes[:max_blocks], "
     "block = self.kv_cache_manager.block_pool.get_cached_block(h); None is a miss and ends the walk (every later "
-    "hash chains the missing one). The hit is the blocks found before it, and len(blocks) * block_size tokens.",
+    "hash chains the missing one). The hit is the blocks found before it, and len(blocks) * block_size tokens."),
     "if kv.prefix_cache_lookup_enabled(request):\n"
     "    for h in request.block_hashes[:(request.num_tokens - 1) // kv.block_size]:\n"
     "        block = kv.block_pool.get_cached_block(h)\n"
@@ -306,7 +323,7 @@ HINTS = (
 register(Part(
     name=PART, lesson="07", symbol="PrefixCacheLookup", kind="scheduler",
     seam="scheduler_cls: Scheduler._prefix_cache_lookup",
-    writes="prefix-cache lookup: longest hit, last-block rule",
+    writes=N_("prefix-cache lookup: longest hit, last-block rule"),
     check=check, hints=HINTS, reference=PrefixCacheLookupReference,
 ))
 

@@ -40,7 +40,9 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
-from minivllm.course.learner.parts import NotWritten, Part, PartFailed, register
+from minivllm.course.exercises._harness import ljust
+from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
+from minivllm.i18n import N_, _
 
 LOAD_METHODS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta")
 #: The fields of one step compared, in the order the engine produces them.
@@ -81,22 +83,23 @@ HIDDEN: List[Dict[str, Any]] = [
 ]
 
 HINTS = (
-    "get_num_new_matched_tokens is only a question: the scheduler asks it again every step a request waits, also "
+    N_("get_num_new_matched_tokens is only a question: the scheduler asks it again every step a request waits, also "
     "when the request then gets no blocks. Where do you learn that the blocks exist, and when is a step's "
-    "record no longer needed?",
-    "Keep this step's answer (first, end) from get_num_new_matched_tokens; in update_state_after_alloc, after the "
+    "record no longer needed?"),
+    N_("Keep this step's answer (first, end) from get_num_new_matched_tokens; in update_state_after_alloc, after the "
     "given bookkeeping and only if num_external_tokens > 0, record the load of blocks[first:end] (a BlockTransfer "
     "of their block ids and request.block_hashes[first:end]); in build_connector_meta add the recorded loads to "
-    "the base's metadata (meta.loads), then clear both per-step records.",
+    "the base's metadata (meta.loads), then clear both per-step records."),
     "first, end = self.matches[request.request_id]; self.requests_need_load[request.request_id] = BlockTransfer("
     "request.request_id, [b.block_id for b in blocks[first:end]], list(request.block_hashes[first:end])) -- and "
     "in build_connector_meta: meta.loads.extend(self.requests_need_load.values()); "
     "self.requests_need_load.clear(); self.matches.clear()",
 )
 
-BUG_1 = ("bug 1: BuggyOffloadConnector.get_num_new_matched_tokens records the load when the question is asked, "
+#: The two bugs, in English (translated where printed).
+BUG_1 = N_("bug 1: BuggyOffloadConnector.get_num_new_matched_tokens records the load when the question is asked, "
          "before anyone knows whether the request gets blocks in this step")
-BUG_2 = ("bug 2: BuggyOffloadConnector.build_connector_meta emits every recorded load and never clears the record, "
+BUG_2 = N_("bug 2: BuggyOffloadConnector.build_connector_meta emits every recorded load and never clears the record, "
          "so a load is emitted again in every later step")
 
 
@@ -215,19 +218,20 @@ def _static_checks(cls: Any) -> None:
 
     name = getattr(cls, "__name__", repr(cls))
     if not isinstance(cls, type):
-        raise PartFailed(f"fixed_connector: FixedConnector must be a class (a subclass of OffloadConnectorBase), "
-                         f"got {cls!r}")
+        raise PartFailed(_("fixed_connector: FixedConnector must be a class (a subclass of OffloadConnectorBase), "
+                           "got {value}").format(value=repr(cls)))
     if cls is BuggyOffloadConnector:
-        raise PartFailed(f"fixed_connector: this is BuggyOffloadConnector itself, with {BUG_1}, and {BUG_2}. "
-                         f"Write FixedConnector on OffloadConnectorBase.")
+        raise PartFailed(_("fixed_connector: this is BuggyOffloadConnector itself, with {bug_1}, and {bug_2}. Write "
+                           "FixedConnector on OffloadConnectorBase.").format(bug_1=_(BUG_1), bug_2=_(BUG_2)))
     if issubclass(cls, OffloadConnector):
-        raise PartFailed(
-            f"fixed_connector: {name} subclasses OffloadConnector, the package's working connector: it inherits the "
-            f"load decision instead of fixing it. Subclass OffloadConnectorBase (the store, the saves and the worker "
-            f"side, no load decision) and write the three methods yourself.")
+        raise PartFailed(_(
+            "fixed_connector: {name} subclasses OffloadConnector, the package's working connector: it inherits the "
+            "load decision instead of fixing it. Subclass OffloadConnectorBase (the store, the saves and the worker "
+            "side, no load decision) and write the three methods yourself.").format(name=name))
     if not issubclass(cls, KVConnectorBase) or not issubclass(cls, OffloadConnectorBase):
-        raise PartFailed(f"fixed_connector: {name} must subclass OffloadConnectorBase (from "
-                         f"minivllm.distributed.kv_transfer), got the bases {[b.__name__ for b in cls.__mro__[1:]]}")
+        raise PartFailed(_("fixed_connector: {name} must subclass OffloadConnectorBase (from "
+                           "minivllm.distributed.kv_transfer), got the bases {bases}").format(
+            name=name, bases=[b.__name__ for b in cls.__mro__[1:]]))
     theirs = {f.__code__: n for n, f in vars(OffloadConnector).items() if hasattr(f, "__code__")}
     given = (OffloadConnectorBase, KVConnectorBase, BuggyOffloadConnector, object)
     for klass in cls.__mro__:
@@ -236,15 +240,15 @@ def _static_checks(cls: Any) -> None:
         for attr, f in vars(klass).items():
             code = getattr(getattr(f, "__func__", f), "__code__", None)
             if code in theirs:
-                raise PartFailed(
-                    f"fixed_connector: {name}.{attr} is OffloadConnector.{theirs[code]}, the package's working "
-                    f"code, not your fix: write it yourself.")
+                raise PartFailed(_(
+                    "fixed_connector: {name}.{attr} is OffloadConnector.{method}, the package's working code, not "
+                    "your fix: write it yourself.").format(name=name, attr=attr, method=theirs[code]))
     for m in LOAD_METHODS:
         owner = next(k for k in cls.__mro__ if m in vars(k))
         if owner is BuggyOffloadConnector and m != "update_state_after_alloc":
             bug = BUG_1 if m == "get_num_new_matched_tokens" else BUG_2
-            raise PartFailed(f"fixed_connector: {name} inherits {m} from BuggyOffloadConnector, so it keeps {bug}. "
-                             f"Define {m} in {name}.")
+            raise PartFailed(_("fixed_connector: {name} inherits {method} from BuggyOffloadConnector, so it keeps "
+                               "{bug}. Define {method} in {name}.").format(name=name, method=m, bug=_(bug)))
 
 
 def _learner_line(tb: Any, cls: type) -> str:
@@ -263,7 +267,8 @@ def _learner_line(tb: Any, cls: type) -> str:
         return ""
     fr = mine[-1]
     code = f": {fr.line.strip()}" if fr.line and fr.line.strip() else ""
-    return f"\n  in your code: {fr.filename}, line {fr.lineno}, in {fr.name}{code}"
+    return "\n" + _("  in your code: {file}, line {line}, in {function}{code}").format(
+        file=fr.filename, line=fr.lineno, function=fr.name, code=code)
 
 
 def _reached_note(reached: Set[str]) -> str:
@@ -271,11 +276,12 @@ def _reached_note(reached: Set[str]) -> str:
         return ""
     lines = []
     if "get_num_new_matched_tokens" in reached:
-        lines.append(f"your class reached BuggyOffloadConnector.get_num_new_matched_tokens (through super()): {BUG_1}")
+        lines.append(_("your class reached BuggyOffloadConnector.get_num_new_matched_tokens (through super()): "
+                       "{bug}").format(bug=_(BUG_1)))
     if "build_connector_meta" in reached:
-        lines.append(f"your class reached BuggyOffloadConnector.build_connector_meta (through super()): {BUG_2} "
-                     f"unless your code clears requests_need_load after it")
-    return "".join(f"\n  note: {x}" for x in lines)
+        lines.append(_("your class reached BuggyOffloadConnector.build_connector_meta (through super()): {bug} "
+                       "unless your code clears requests_need_load after it").format(bug=_(BUG_2)))
+    return "".join("\n  " + _("note: {text}").format(text=x) for x in lines)
 
 
 # ---- comparing ------------------------------------------------------------------------------------------------
@@ -306,46 +312,49 @@ def _why(field: str, rid: Optional[str], k: int, expected: List[Dict[str, Any]],
          got: List[Dict[str, Any]]) -> str:
     """What a difference in ``field`` at step ``k`` about request ``rid`` means, in the lesson's words."""
     if field == "steps":
-        return "the run took a different number of steps: an earlier load or answer changed what was scheduled"
+        return _("the run took a different number of steps: an earlier load or answer changed what was scheduled")
     e, g = expected[k], got[k]
     if field == "asked":
-        return ("get_num_new_matched_tokens answered differently: count the blocks the store holds from block "
+        return _("get_num_new_matched_tokens answered differently: count the blocks the store holds from block "
                 "num_computed_tokens // block_size on (self.matched_blocks(request, num_computed_tokens)), "
                 "synchronously (is_async False)")
     if field == "allocated":
-        return "update_state_after_alloc was called differently: an earlier answer of yours changed the schedule"
+        return _("update_state_after_alloc was called differently: an earlier answer of yours changed the schedule")
     if field == "scheduled":
-        return "the scheduler gave different tokens: an earlier answer of yours changed what it admitted"
+        return _("the scheduler gave different tokens: an earlier answer of yours changed what it admitted")
     if field in ("loads", "async loads") and rid is not None:
         allocated_now = [r for r, n in g["allocated"] if r == rid]
         ext_now = [n for r, n in g["allocated"] if r == rid]
         if rid in g[field] and rid not in e[field]:
             earlier = [j for j in range(k) if rid in got[j]["loads"]]
             if not allocated_now:
-                where = (f"its load was already emitted in step {earlier[-1]}: the record was not cleared "
-                         f"(build_connector_meta must reset the per-step state)") if earlier else (
-                    "it got no blocks in this step (it is still waiting): the load was recorded when the question "
-                    "was asked, not in update_state_after_alloc")
-                return f"your metadata loads {rid} in step {k}, but {where}"
+                where = _("its load was already emitted in step {step}: the record was not cleared "
+                          "(build_connector_meta must reset the per-step state)").format(step=earlier[-1]) if earlier \
+                    else _("it got no blocks in this step (it is still waiting): the load was recorded when the "
+                           "question was asked, not in update_state_after_alloc")
+                return _("your metadata loads {request} in step {step}, but {where}").format(request=rid, step=k,
+                                                                                             where=where)
             if ext_now and ext_now[0] == 0:
-                return (f"update_state_after_alloc({rid}, num_external_tokens=0) was called in this step: record a "
-                        f"load only if num_external_tokens > 0")
-            return f"your metadata loads {rid} in step {k} where the reference loads nothing"
+                return _("update_state_after_alloc({request}, num_external_tokens=0) was called in this step: record "
+                         "a load only if num_external_tokens > 0").format(request=rid)
+            return _("your metadata loads {request} in step {step} where the reference loads nothing").format(
+                request=rid, step=k)
         if rid in e[field] and rid not in g[field]:
-            return (f"update_state_after_alloc({rid}, num_external_tokens={ext_now[0] if ext_now else '?'}) was called "
-                    f"in this step, but your metadata has no load of {rid}: record the load there and emit it in "
-                    f"this step's build_connector_meta")
-        return (f"the load of {rid} goes into other blocks: the blocks to fill are blocks[first:end] of the block "
-                f"table update_state_after_alloc receives (this step's, not an older one), with "
-                f"first = num_computed_tokens // block_size")
+            return _("update_state_after_alloc({request}, num_external_tokens={n}) was called in this step, but your "
+                     "metadata has no load of {request}: record the load there and emit it in this step's "
+                     "build_connector_meta").format(request=rid, n=ext_now[0] if ext_now else "?")
+        return _("the load of {request} goes into other blocks: the blocks to fill are blocks[first:end] of the "
+                 "block table update_state_after_alloc receives (this step's, not an older one), with first = "
+                 "num_computed_tokens // block_size").format(request=rid)
     if field == "saves":
-        return ("the saves differ: they are OffloadConnectorBase's (meta = super().build_connector_meta(...)), keep "
+        return _("the saves differ: they are OffloadConnectorBase's (meta = super().build_connector_meta(...)), keep "
                 "that call, and call super().update_state_after_alloc(...) for the bookkeeping they need")
     return ""
 
 
 def _side_by_side(k: int, expected: List[Dict[str, Any]], got: List[Dict[str, Any]]) -> str:
-    lines = [f"  step {k} side by side:", f"    {'field':<14}{'expected (OffloadConnector)':<48}yours"]
+    lines = [_("  step {step} side by side:").format(step=k),
+             "    " + ljust(_("field"), 14) + ljust(_("expected (OffloadConnector)"), 48) + _("yours")]
     for f in STEP_FIELDS:
         a = expected[k][f] if k < len(expected) else "(no step)"
         b = got[k][f] if k < len(got) else "(no step)"
@@ -363,10 +372,11 @@ def _run_learner(cls: type, sc: Dict[str, Any], ref: Dict[str, Any]) -> Tuple[An
     try:
         conn = cls(sc["block_size"], store=_clone_store(ref["store"]))
     except NotImplementedError:
-        raise NotWritten(f"{name}.__init__ still raises NotImplementedError") from None
+        raise NotWritten(not_written_message(f"{name}.__init__")) from None
     except Exception as e:  # noqa: BLE001 - reported with the arguments the checker used
-        raise PartFailed(f"fixed_connector: {name}({sc['block_size']}, store=...) raised {type(e).__name__}: {e} "
-                         f"(the checker builds it as OffloadConnectorBase is built: block_size, then store=)") from None
+        raise PartFailed(_("fixed_connector: {name}({block_size}, store=...) raised {error}: {message} (the checker "
+                           "builds it as OffloadConnectorBase is built: block_size, then store=)").format(
+            name=name, block_size=sc["block_size"], error=type(e).__name__, message=e)) from None
     rec = _recorder(conn)
     eng = None
     try:
@@ -381,28 +391,32 @@ def _run_learner(cls: type, sc: Dict[str, Any], ref: Dict[str, Any]) -> Tuple[An
                                                             ignore_eos=True))
             res = eng.run_to_completion(max_steps=len(ref["steps"]) + 50)
     except _Borrowed as e:
-        raise PartFailed(
-            f"fixed_connector: your {name} called OffloadConnector.{e} (the package's working connector) while it "
-            f"ran, in scenario {sc['name']!r}: that borrows the fix instead of writing it. Write "
-            f"{', '.join(LOAD_METHODS)} on OffloadConnectorBase's helpers (self.matched_blocks, "
-            f"super().update_state_after_alloc, super().build_connector_meta).") from None
+        raise PartFailed(_(
+            "fixed_connector: your {name} called OffloadConnector.{method} (the package's working connector) while it "
+            "ran, in scenario {scenario}: that borrows the fix instead of writing it. Write {methods} on "
+            "OffloadConnectorBase's helpers (self.matched_blocks, super().update_state_after_alloc, "
+            "super().build_connector_meta).").format(name=name, method=e, scenario=repr(sc["name"]),
+                                                     methods=", ".join(LOAD_METHODS))) from None
     except NotImplementedError:
-        raise NotWritten(f"{name} still raises NotImplementedError") from None
+        raise NotWritten(not_written_message(name)) from None
     except Exception as e:  # noqa: BLE001 - the learner's error, reported with its scenario, step and line
         step = len(eng.trace) if eng is not None else 0
         if eng is not None:  # a difference in the steps before the error is its cause: name that first
             _raise_difference(sc, ref["steps"], step_records(eng), reached, complete=False,
-                              then=f"then your {name} raised {type(e).__name__} in step {step}: {e}")
+                              then=_("then your {name} raised {error} in step {step}: {message}").format(
+                                  name=name, error=type(e).__name__, step=step, message=e))
         explain = ""
         if isinstance(e, KeyError):
-            explain = (f"\n  a KeyError on {e}: a record your method expects for that request is not there (never "
-                       f"made in this step, or already cleared or popped)")
-        raise PartFailed(f"fixed_connector: your {name} raised {type(e).__name__}: {e}\n  in scenario "
-                         f"{sc['name']!r}, step {step}{_learner_line(e.__traceback__, cls)}{explain}"
-                         f"{_reached_note(reached)}") from None
+            explain = "\n" + _("  a KeyError on {key}: a record your method expects for that request is not there "
+                               "(never made in this step, or already cleared or popped)").format(key=e)
+        raise PartFailed(_("fixed_connector: your {name} raised {error}: {message}").format(
+            name=name, error=type(e).__name__, message=e) + "\n"
+            + _("  in scenario {scenario}, step {step}").format(scenario=repr(sc["name"]), step=step)
+            + f"{_learner_line(e.__traceback__, cls)}{explain}{_reached_note(reached)}") from None
     if borrowed:  # raised inside, and swallowed by the learner's code
-        raise PartFailed(f"fixed_connector: your {name} called OffloadConnector.{borrowed[0]} (the package's "
-                         f"working connector): that borrows the fix instead of writing it.")
+        raise PartFailed(_("fixed_connector: your {name} called OffloadConnector.{method} (the package's working "
+                           "connector): that borrows the fix instead of writing it.").format(name=name,
+                                                                                            method=borrowed[0]))
     out = {rid: list(o.outputs[0].token_ids) for rid, o in res.items()}
     return conn, (eng, reached), out
 
@@ -420,11 +434,17 @@ def _raise_difference(sc: Dict[str, Any], expected: List[Dict[str, Any]], got: L
     a = expected[k][f] if k < len(expected) and f != "steps" else len(expected)
     b = got[k][f] if k < len(got) and f != "steps" else len(got)
     rid = _request_of(a, b)
-    who = f", request {rid}" if rid else ""
+    if rid:
+        first = _("first difference: step {step}, field {field}, request {request}").format(step=k, field=f,
+                                                                                         request=rid)
+    else:
+        first = _("first difference: step {step}, field {field}").format(step=k, field=f)
     raise PartFailed(
-        f"on scenario {sc['name']!r}\nfirst difference: step {k}, field {f}{who}\n    expected: {json.dumps(a)}\n"
-        f"    yours:    {json.dumps(b)}\n  what it means: {_why(f, rid, k, expected, got)}"
-        f"{_reached_note(reached)}\n{_side_by_side(k, expected, got)}" + (f"\n  ({then})" if then else ""))
+        _("on scenario {scenario}").format(scenario=repr(sc["name"])) + "\n" + first + "\n"
+        + _("    expected: {value}").format(value=json.dumps(a)) + "\n"
+        + _("    yours:    {value}").format(value=json.dumps(b)) + "\n"
+        + _("  what it means: {meaning}").format(meaning=_why(f, rid, k, expected, got))
+        + f"{_reached_note(reached)}\n{_side_by_side(k, expected, got)}" + (f"\n  ({then})" if then else ""))
 
 
 def check_fixed_connector(cls: Any, hidden: bool = True) -> int:
@@ -442,16 +462,18 @@ def check_fixed_connector(cls: Any, hidden: bool = True) -> int:
         ref = _reference(sc)
         conn, (eng, reached), out = _run_learner(cls, sc, ref)
         _raise_difference(sc, ref["steps"], step_records(eng), reached)
-        head = f"on scenario {sc['name']!r}"
+        head = _("on scenario {scenario}").format(scenario=repr(sc["name"]))
         loads = dict(conn.stats.num_loads)
         if loads != ref["loads"]:
-            raise PartFailed(f"{head}\nthe worker's loads per request differ: expected {ref['loads']}, yours {loads}"
-                             f"{_reached_note(reached)}")
+            raise PartFailed(f"{head}\n" + _("the worker's loads per request differ: expected {expected}, yours "
+                                               "{got}").format(expected=ref["loads"], got=loads)
+                             + _reached_note(reached))
         for rid in sorted(ref["out"]):
             if out.get(rid) != ref["out"][rid]:
                 i = next((j for j, (x, y) in enumerate(zip(out.get(rid, []), ref["out"][rid])) if x != y), None)
-                raise PartFailed(f"{head}\nrequest {rid}'s output differs from output token {i} on: a load wrote "
-                                 f"into blocks that hold another request's KV{_reached_note(reached)}")
+                raise PartFailed(f"{head}\n" + _("request {request}'s output differs from output token {i} on: a load "
+                                                   "wrote into blocks that hold another request's KV").format(
+                    request=rid, i=i) + _reached_note(reached))
         n += 1
     return n
 
@@ -465,7 +487,7 @@ def _reference_connector() -> type:
 register(Part(
     name="fixed_connector", lesson="08", symbol="FixedConnector", kind="connector",
     seam="kv_connector=: get_num_new_matched_tokens, update_state_after_alloc, build_connector_meta",
-    writes="the load decision: ask, record at alloc, emit and clear",
+    writes=N_("the load decision: ask, record at alloc, emit and clear"),
     check=check_fixed_connector, hints=HINTS, reference=_reference_connector(),
 ))
 

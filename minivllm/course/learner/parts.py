@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 from minivllm.course.exercises._harness import ExerciseFailed
+from minivllm.i18n import _
 
 LESSON_MODULES = ("lesson03", "lesson04", "lesson05", "lesson06", "lesson07", "lesson08")
 
@@ -49,9 +50,10 @@ class Part:
             ``"attention"`` (a function; lesson 03's three make one attention backend), ``"runner"`` (a function
             of the model runner's input preparation) or ``"connector"`` (a ``KVConnectorBase`` subclass).
         seam: the engine seam it plugs into, in words (``"scheduler_cls: Scheduler._schedule_waiting"``).
-        writes: what the learner writes, one line.
+        writes: what the learner writes, one line (English, marked with ``N_``; shown as ``_(writes)``).
         check: ``check(obj, hidden) -> int`` (see the module docstring).
-        hints: a nudge, the idea, the line to write.
+        hints: a nudge, the idea, the line to write (English, each marked with ``N_`` unless it is code only;
+            shown translated by ``hints_now``).
         reference: the package's own answer (a class or function in the learner's form), used by
             ``your_engine`` where the learner's part is unfinished.
     """
@@ -68,6 +70,11 @@ class Part:
 
 
 PARTS: Dict[str, Part] = {}
+
+
+def hints_now(part: Part) -> Tuple[str, ...]:
+    """``part``'s three hints in the current language (a code-only hint is the same in every language)."""
+    return tuple(_(h) for h in part.hints)
 
 
 def register(part: Part) -> Part:
@@ -103,21 +110,28 @@ def run_check(part: Part, obj: Any, hidden: bool = True) -> Tuple[str, str]:
     the first difference). Any exception of the learner's code other than ``NotImplementedError`` is a failure
     whose message names it."""
     if obj is None:
-        return "blank", f"{part.symbol} is not defined yet"
+        return "blank", _("{symbol} is not defined yet").format(symbol=part.symbol)
     try:
         n = part.check(obj, hidden)
     except NotWritten as e:
-        return "blank", str(e) or f"{part.symbol} still raises NotImplementedError"
+        return "blank", str(e) or not_written_message(part.symbol)
     except ExerciseFailed as e:
         return "failed", str(e)
-    return "passed", f"{n} cases equal to the reference" + (" (hidden ones included)" if hidden else "")
+    if hidden:
+        return "passed", _("{n} cases equal to the reference (hidden ones included)").format(n=n)
+    return "passed", _("{n} cases equal to the reference").format(n=n)
+
+
+def not_written_message(symbol: str) -> str:
+    """``"<symbol> still raises NotImplementedError"``, in the current language (the text of ``NotWritten``)."""
+    return _("{symbol} still raises NotImplementedError").format(symbol=symbol)
 
 
 def hint_ladder_html(part: Part) -> str:
     """The three hints, each in its own folded ``<details>``, for a notebook."""
-    titles = ("Hint 1: a nudge", "Hint 2: the idea", "Hint 3: the line to write")
+    titles = (_("Hint 1: a nudge"), _("Hint 2: the idea"), _("Hint 3: the line to write"))
     return "".join(f"<details><summary>{t}</summary><pre>{html.escape(h)}</pre></details>"
-                   for t, h in zip(titles, part.hints))
+                   for t, h in zip(titles, hints_now(part)))
 
 
 def check(name: str, obj: Any, hidden: bool = True) -> Optional[bool]:
@@ -137,10 +151,12 @@ def check(name: str, obj: Any, hidden: bool = True) -> Optional[bool]:
         print(f"✓ {name} ({part.symbol}): {msg}")
         return True
     if status == "blank":
-        print(f"{name}: not written yet ({msg}). Fill in {part.symbol}, run its cell, then run this cell again.")
+        print(_("{name}: not written yet ({why}). Fill in {symbol}, run its cell, then run this cell again.").format(
+            name=name, why=msg, symbol=part.symbol))
         return None
     _show_hints(part)
-    raise PartFailed(f"{name} ({part.symbol}) differs from the reference:\n{msg}")
+    raise PartFailed(_("{name} ({symbol}) differs from the reference:").format(name=name, symbol=part.symbol)
+                     + f"\n{msg}")
 
 
 def _show_hints(part: Part) -> None:
@@ -164,10 +180,15 @@ def yours_or_reference(name: str, obj: Any) -> Any:
     part = get(name)
     status, _msg = run_check(part, obj, hidden=True)
     if status == "passed":
-        print(f"{name}: yours passes its checker, so the engine below runs yours ({part.symbol})")
+        print(_("{name}: yours passes its checker, so the engine below runs yours ({symbol})").format(
+            name=name, symbol=part.symbol))
         return obj
-    why = "is not written yet" if status == "blank" else "does not pass its checker yet (run its check cell to see why)"
-    print(f"{name}: yours {why}, so the engine below runs the reference part ({_ref_name(part)})")
+    if status == "blank":
+        print(_("{name}: yours is not written yet, so the engine below runs the reference part ({reference})").format(
+            name=name, reference=_ref_name(part)))
+    else:
+        print(_("{name}: yours does not pass its checker yet (run its check cell to see why), so the engine below "
+                "runs the reference part ({reference})").format(name=name, reference=_ref_name(part)))
     return part.reference
 
 
@@ -182,13 +203,14 @@ def check_prediction(what: str, predicted: Any, actual: Any, explain: str = "") 
     still ``None`` it prints the actual outcome (the learner can still predict first and compare). Never raises:
     a wrong prediction is part of learning, not an error. Returns ``True``/``False``, or ``None`` when blank."""
     if predicted is None:
-        print(f"{what}: no prediction written (set it above before running the demonstration). "
-              f"What happened: {actual!r}")
+        print(_("{what}: no prediction written (set it above before running the demonstration). What happened: "
+                "{actual}").format(what=what, actual=repr(actual)))
         return None
     if predicted == actual:
-        print(f"✓ {what}: your prediction {predicted!r} is what happened")
+        print(_("✓ {what}: your prediction {predicted} is what happened").format(what=what, predicted=repr(predicted)))
         return True
-    print(f"✗ {what}: you predicted {predicted!r}\n  what happened:  {actual!r}")
+    print(_("✗ {what}: you predicted {predicted}\n  what happened:  {actual}").format(
+        what=what, predicted=repr(predicted), actual=repr(actual)))
     if explain:
-        print(f"  why: {explain}")
+        print(_("  why: {explain}").format(explain=explain))
     return False

@@ -22,8 +22,10 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from minivllm.course.exercises._harness import ljust
 from minivllm.course.learner import cells as _cells
 from minivllm.course.learner.parts import load_all, run_check
+from minivllm.i18n import _
 
 
 @dataclass
@@ -33,7 +35,8 @@ class Chosen:
     Attributes:
         objs: part name -> the object used (the learner's or the reference).
         yours: part name -> True when it is the learner's.
-        why: part name -> one line (passed, blank, or the checker's first line).
+        why: part name -> one line (passed, blank, or the checker's first line), in the language of the moment
+            ``assemble`` ran.
     """
 
     objs: Dict[str, Any] = field(default_factory=dict)
@@ -42,13 +45,13 @@ class Chosen:
 
     def table(self) -> str:
         parts = load_all()
-        lines = [f"{'lesson':<7}{'part':<22}{'runs':<12}why"]
+        lines = [ljust(_("lesson"), 7) + ljust(_("part"), 22) + ljust(_("runs"), 12) + _("why")]
         for name, part in parts.items():
             if name in self.objs:
-                lines.append(f"{part.lesson:<7}{name:<22}{'yours' if self.yours[name] else 'reference':<12}"
-                             f"{self.why[name]}")
+                runs = _("yours") if self.yours[name] else _("reference")
+                lines.append(f"{part.lesson:<7}{name:<22}" + ljust(runs, 12) + self.why[name])
         n = sum(self.yours.values())
-        lines.append(f"{n} of {len(self.objs)} parts are yours")
+        lines.append(_("{n} of {total} parts are yours").format(n=n, total=len(self.objs)))
         return "\n".join(lines)
 
 
@@ -88,8 +91,13 @@ def assemble(source: Any = "notebooks", folder: Optional[str] = None, hidden: bo
         ok = status == "passed"
         chosen.objs[name] = symbols[name] if ok else part.reference
         chosen.yours[name] = ok
-        chosen.why[name] = {"passed": "passes its checker", "blank": "not written yet"}.get(
-            status, "does not pass its checker yet: " + msg.splitlines()[0][:70])
+        if status == "passed":
+            chosen.why[name] = _("passes its checker")
+        elif status == "blank":
+            chosen.why[name] = _("not written yet")
+        else:
+            chosen.why[name] = _("does not pass its checker yet: {first_line}").format(
+                first_line=msg.splitlines()[0][:70])
     if verbose:
         print(chosen.table())
     return chosen

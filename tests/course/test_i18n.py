@@ -1,0 +1,129 @@
+"""The language switch (``minivllm.i18n``) and the package's message catalog (issue 30): the catalog is complete and
+compiled, a bad language changes nothing, and the checkers' messages follow the switch at call time (Chinese under
+``zh_CN``, the same English as before under ``en``)."""
+
+import io
+import re
+import string
+
+import pytest
+from babel.messages.pofile import read_po
+
+from minivllm import i18n
+from minivllm.course import i18n_catalog
+from minivllm.course.exercises._harness import ljust, text_width
+from minivllm.course.learner import grade as grade_mod
+from minivllm.course.learner import parts
+
+
+@pytest.fixture
+def english_after():
+    """Whatever a test switches to, the next test starts in English (the default)."""
+    yield
+    i18n.set_language("en")
+
+
+def _wrong_slot_mapping(block_table, positions, block_size):
+    return [block_table[p // block_size] + p % block_size for p in positions]  # forgets * block_size
+
+
+def _blank_slot_mapping(block_table, positions, block_size):
+    raise NotImplementedError
+
+
+def test_catalog_is_complete_and_current():
+    assert i18n_catalog.problems() == []
+
+
+def test_catalog_translations_keep_every_placeholder():
+    """A msgstr that drops or renames a ``{name}`` would raise KeyError (or lose a value) at ``.format`` time."""
+    with open(i18n_catalog.po_path("zh_CN"), "rb") as f:
+        catalog = read_po(f, locale="zh_CN")
+
+    def names(s):
+        return sorted(n for _t, n, _s, _c in string.Formatter().parse(s) if n is not None)
+
+    checked = 0
+    for m in catalog:
+        if not m.id:
+            continue
+        ids = m.id if isinstance(m.id, tuple) else (m.id,)
+        strs = m.string if isinstance(m.string, tuple) else (m.string,)
+        for s in strs:
+            assert names(s) in [names(i) for i in ids], (m.id, s)
+            checked += 1
+    assert checked >= 350  # the checkers' and grader's messages alone are 352
+
+
+def test_set_language_rejects_an_unknown_language_and_changes_nothing(english_after):
+    i18n.set_language("zh_CN")
+    before = parts.run_check(parts.get("slot_mapping"), None)
+    with pytest.raises(ValueError, match=r"en, zh_CN") as e:
+        i18n.set_language("fr")
+    assert "'fr'" in str(e.value)
+    assert i18n.get_language() == "zh_CN"
+    assert parts.run_check(parts.get("slot_mapping"), None) == before == ("blank", "slot_mapping 还没有定义")
+
+
+def test_blank_part_prints_chinese_under_zh_and_the_old_english_under_en(english_after, capsys):
+    assert parts.check("slot_mapping", _blank_slot_mapping) is None
+    assert capsys.readouterr().out == (
+        "slot_mapping: not written yet (slot_mapping still raises NotImplementedError). Fill in slot_mapping, run "
+        "its cell, then run this cell again.\n")
+    i18n.set_language("zh_CN")
+    assert parts.check("slot_mapping", _blank_slot_mapping) is None
+    assert capsys.readouterr().out == (
+        "slot_mapping：还没有写（slot_mapping 仍然抛出 NotImplementedError）。把 slot_mapping 写好，运行它的单元格，"
+        "再运行这个单元格。\n")
+
+
+def test_wrong_slot_mapping_is_explained_in_the_current_language(english_after):
+    with pytest.raises(parts.PartFailed) as e:
+        parts.check("slot_mapping", _wrong_slot_mapping, hidden=False)
+    assert str(e.value) == (
+        "slot_mapping (slot_mapping) differs from the reference:\n"
+        "slot_mapping is wrong on the test input block_table=[3], positions=[0, 1, 2], block_size=4:\n"
+        "    expected slots [12, 13, 14], got [3, 4, 5]\n"
+        "  Hint: a block holds block_size slots: multiply the block id by block_size.")
+    i18n.set_language("zh_CN")
+    with pytest.raises(parts.PartFailed) as e:
+        parts.check("slot_mapping", _wrong_slot_mapping, hidden=False)
+    text = str(e.value)
+    assert "与参考实现不同" in text and "槽位应为 [12, 13, 14]，实际是 [3, 4, 5]" in text
+    assert "提示：一个块有 block_size 个槽位" in text  # a module-level hint, translated when shown
+    assert not re.search(r"\b(expected|Hint|wrong)\b", text)
+
+
+def test_module_level_hints_follow_the_switch(english_after):
+    part = parts.get("waiting_loop")
+    english = parts.hints_now(part)
+    assert english == part.hints
+    i18n.set_language("zh_CN")
+    chinese = parts.hints_now(part)
+    assert chinese[0] != english[0] and "循环" in chinese[0]
+    assert chinese[2] == english[2]  # the line to write is code: the same in both languages
+    assert "提示 1：点拨一下" in parts.hint_ladder_html(part)
+    i18n.set_language("en")
+    assert parts.hints_now(part) == english
+
+
+def test_ljust_counts_a_chinese_character_as_two_columns():
+    assert ljust("part", 8) == "part".ljust(8)
+    assert ljust("部件", 8) == "部件    " and text_width(ljust("部件", 8)) == 8
+    assert ljust("too long", 3) == "too long"
+
+
+def test_grade_table_columns_stay_aligned_in_chinese(english_after):
+    part = parts.get("waiting_loop")
+    results = [(part, "blank", "", 0.0), (parts.get("slot_mapping"), "passed", "", 1.25)]
+    for lang, status_word in (("en", "status"), ("zh_CN", "状态")):
+        i18n.set_language(lang)
+        out = io.StringIO()
+        grade_mod._print_table(results, ["03", "04"], out, solutions=False)
+        lines = out.getvalue().splitlines()
+        header = next(x for x in lines if status_word in x)
+        rows = [x for x in lines if x.startswith(("03 ", "04 "))]
+        col = text_width(header[:header.index(status_word)])
+        for row in rows:
+            mark = next(m for m in (i18n._(grade_mod.STATUS_MARK[s]) for s in ("blank", "passed")) if m in row)
+            assert text_width(row[:row.index(mark)]) == col, (lang, row)
