@@ -18,7 +18,8 @@ stored metadata is what the rule gives. The rule, in order, for each cell:
    without outputs longer than ``MAX_SILENT_CODE_LINES`` (helper definitions), code cells whose text output is
    longer than ``MAX_OUTPUT_LINES``, and worked solutions (a code cell opening with ``# Solution``, a markdown cell
    opening with ``A solution``): a lecture leaves them to the learners.
-3. A markdown cell opening with ``**Under other configurations.**`` (the FAQ's per-configuration details) goes to
+3. A markdown cell opening with ``**Under other configurations.**`` (in the Chinese edition ``**不同配置下。**``; the
+   FAQ's per-configuration details) goes to
    the speaker notes (``notes``).
 4. Any other cell continues the current slide, unless its estimated height (``cell_height``) would take the slide
    past the deck's line limit: then it opens a subslide. The limit is one screen (``SCREEN_LINES``) where the deck
@@ -197,7 +198,7 @@ def _types_with_limit(cells: Sequence[dict], limit: Optional[int]) -> List[str]:
             t, used = "subslide", cell_height(cell)
         elif kind == "raw" or _skipped(cell, first_code):
             t = "skip"
-        elif kind == "markdown" and src.startswith("**Under other configurations.**"):
+        elif kind == "markdown" and src.startswith(("**Under other configurations.**", "**不同配置下。**")):
             t = "notes"
         else:
             h = cell_height(cell)

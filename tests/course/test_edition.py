@@ -166,3 +166,19 @@ def test_links_of_the_chinese_edition_resolve():
                         and not frag.startswith("["):
                     bad.append((p.name, f"{target}#{frag}"))
     assert bad == []
+
+
+def test_grading_the_chinese_edition_answers_in_chinese(capsys, monkeypatch):
+    from minivllm import i18n
+    from minivllm.course.learner import grade
+
+    monkeypatch.delenv("MINIVLLM_LANG", raising=False)
+    try:
+        assert grade.main(["04", "--notebooks", str(NOTEBOOKS / "zh-CN")]) == 1  # the committed exercise is blank
+        out = capsys.readouterr().out
+        assert "未写" in out and "waiting_loop" in out, out
+        i18n.set_language("en")
+        assert grade.main(["04", "--notebooks", str(NOTEBOOKS)]) == 1
+        assert "blank" in capsys.readouterr().out
+    finally:
+        i18n.set_language("en")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import json
 import os
 import sys
 import textwrap
@@ -21,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from minivllm.course.exercises._harness import ljust, text_width
 from minivllm.course.learner import cells as _cells
 from minivllm.course.learner.parts import Part, hints_now, load_all, run_check
-from minivllm.i18n import N_, _
+from minivllm.i18n import N_, _, set_language
 
 #: The status column's words (English; translated where printed).
 STATUS_MARK = {"passed": N_("✓ passed"), "failed": N_("✗ failed"), "blank": N_("· blank"), "error": N_("✗ error")}
@@ -116,6 +117,15 @@ def _print_table(results, lessons, out, solutions) -> None:
                 "is not saved (the grader reads the saved file)").format(blank=_(STATUS_MARK["blank"])), file=out)
 
 
+def _edition_language(folder: str) -> Optional[str]:
+    """The language of the notebooks in ``folder``: ``"zh_CN"`` for the Chinese edition (its notebooks' metadata
+    says so, written by ``minivllm.course.edition``), else ``None``."""
+    for path in sorted(glob.glob(os.path.join(folder, "0[0-9]_*.ipynb")))[:1]:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f).get("metadata", {}).get("minivllm", {}).get("edition")
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m minivllm.course.grade", description=__doc__.split("\n\n")[0])
     ap.add_argument("lessons", nargs="*", help="lesson numbers (03 ... 08); default: all")
@@ -126,5 +136,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for x in args.lessons:
         if not x.isdigit():
             ap.error(f"lessons must be numbers such as 04, got {x!r}")
-    results = grade(args.lessons, args.notebooks, args.solutions, args.hints)
+    folder = args.notebooks or _cells.notebooks_dir()
+    if not os.environ.get("MINIVLLM_LANG") and _edition_language(folder):
+        set_language(_edition_language(folder))  # the Chinese edition's learner reads the verdicts in Chinese
+    results = grade(args.lessons, folder, args.solutions, args.hints)
     return 0 if results and all(r[1] == "passed" for r in results) else 1
