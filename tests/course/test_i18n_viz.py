@@ -109,6 +109,26 @@ def test_figures_draw_chinese_labels_with_the_cjk_font(trace):
         fig.canvas.draw()
 
 
+def test_chinese_labels_on_axes_made_before_the_font_was_added(trace):
+    """A notebook makes its axes (``plt.subplots``) and hands them to the course's plotting functions; the first such
+    figure in a Chinese kernel (notebook 04's two timelines) was made before the CJK font was added, and its axis
+    labels, whose text objects the axes made then, drew as empty boxes."""
+    from minivllm.course.viz.plots import plot_free_blocks
+
+    fig, axes = plt.subplots(1, 2)
+    set_language("zh_CN")
+    assert fonts.FONT_NAME not in matplotlib.rcParams["font.family"]  # nothing has added it yet in this test
+    plot_timeline(trace, axes[0])
+    plot_free_blocks(trace, axes[1])
+    assert (axes[0].get_xlabel(), axes[0].get_ylabel()) == ("引擎步", "请求")
+    for ax in axes:
+        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+            assert text.get_fontfamily()[-1] == fonts.FONT_NAME, text.get_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Glyph ... missing from font(s) DejaVu Sans" is a UserWarning
+        fig.canvas.draw()
+
+
 def test_english_figures_keep_matplotlibs_fonts(trace):
     family = list(matplotlib.rcParams["font.family"])
     ax = plot_timeline(trace)

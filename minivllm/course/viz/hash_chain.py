@@ -94,6 +94,7 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
     width = max([len(row) + (1 if tails[rid] else 0) for rid, row in rows.items()] + [1]) + 1
     if ax is None:
         _fig, ax = plt.subplots(figsize=(2.3 * (width + 0.6), 1.35 * len(rows) + 0.4))
+    use_language_font(ax)
     for y, (rid, row) in enumerate(reversed(list(rows.items()))):
         ax.text(-0.35, y + 0.4, rid, ha="right", va="center", fontsize=10, fontweight="bold")
         ax.text(0, y + 0.4, f"NONE_HASH\n{NONE_HASH.hex()[:HEX]}", ha="left", va="center", fontsize=7, color="grey")
