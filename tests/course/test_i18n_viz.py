@@ -129,6 +129,25 @@ def test_chinese_labels_on_axes_made_before_the_font_was_added(trace):
         fig.canvas.draw()
 
 
+def test_monospaced_chinese_labels_have_the_cjk_font():
+    """The hash chain writes 「哈希 <hash>」 in a monospaced font (notebook 07): an explicit family replaces the font
+    list, so 哈希 drew as empty boxes until the CJK font came after ``monospace``."""
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.viz.hash_chain import draw_hash_chain
+
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=16, max_model_len=64)
+    eng.add_request("A", list(range(11, 24)), SamplingParams(temperature=0, max_tokens=2))
+    eng.step()
+    assert fonts.monospace() == "monospace"
+    set_language("zh_CN")
+    ax = draw_hash_chain([eng.scheduler.requests["A"]], 4, eng.kv_cache_manager.block_pool)
+    hashes = [t for t in ax.texts if t.get_text().startswith("哈希 ")]
+    assert len(hashes) == 3 and all(t.get_fontfamily() == ["monospace", fonts.FONT_NAME] for t in hashes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ax.figure.canvas.draw()
+
+
 def test_english_figures_keep_matplotlibs_fonts(trace):
     family = list(matplotlib.rcParams["font.family"])
     ax = plot_timeline(trace)

@@ -85,4 +85,12 @@ def use_language_font(*axes: Any) -> None:
                 text.set_fontfamily(list(text.get_fontfamily()) + [FONT_NAME])
 
 
-__all__ = ["FONT_NAME", "cjk_font_path", "use_language_font"]
+def monospace() -> Any:
+    """The font family for a monospaced label that may hold the current language's words (a hash beside 哈希):
+    ``"monospace"``, with Noto Sans CJK SC after it in Chinese (an explicit family replaces ``rcParams["font.family"]``,
+    so the Chinese characters of a monospaced label would otherwise draw as empty boxes). Call
+    :func:`use_language_font` first (it registers the font)."""
+    return ["monospace", FONT_NAME] if is_chinese() else "monospace"
+
+
+__all__ = ["FONT_NAME", "cjk_font_path", "monospace", "use_language_font"]
