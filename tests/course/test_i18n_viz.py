@@ -115,14 +115,17 @@ def test_chinese_labels_on_axes_made_before_the_font_was_added(trace):
     labels, whose text objects the axes made then, drew as empty boxes."""
     from minivllm.course.viz.plots import plot_free_blocks
 
-    fig, axes = plt.subplots(1, 2)
+    from minivllm.course.viz.block_table_map import draw_block_table_map
+
+    fig, axes = plt.subplots(1, 3)
     set_language("zh_CN")
     assert fonts.FONT_NAME not in matplotlib.rcParams["font.family"]  # nothing has added it yet in this test
     plot_timeline(trace, axes[0])
     plot_free_blocks(trace, axes[1])
+    draw_block_table_map(trace[STEP], 16, ax=axes[2])  # notebook 03: its title is set with loc="left"
     assert (axes[0].get_xlabel(), axes[0].get_ylabel()) == ("引擎步", "请求")
     for ax in axes:
-        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+        for text in (ax.title, ax._left_title, ax.xaxis.label, ax.yaxis.label):
             assert text.get_fontfamily()[-1] == fonts.FONT_NAME, text.get_text()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # "Glyph ... missing from font(s) DejaVu Sans" is a UserWarning

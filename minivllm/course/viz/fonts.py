@@ -80,7 +80,10 @@ def use_language_font(*axes: Any) -> None:
     if FONT_NAME not in family:
         matplotlib.rcParams["font.family"] = family + [FONT_NAME]
     for ax in axes:
-        for text in (ax.title, ax.xaxis.label, ax.yaxis.label):
+        # set_title(loc="left"/"right") writes into the axes' two side titles (matplotlib keeps them as
+        # _left_title and _right_title beside the public `title`).
+        titles = [ax.title] + [t for t in (getattr(ax, "_left_title", None), getattr(ax, "_right_title", None)) if t]
+        for text in titles + [ax.xaxis.label, ax.yaxis.label]:
             if FONT_NAME not in text.get_fontfamily():
                 text.set_fontfamily(list(text.get_fontfamily()) + [FONT_NAME])
 
