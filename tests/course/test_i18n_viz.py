@@ -109,6 +109,48 @@ def test_figures_draw_chinese_labels_with_the_cjk_font(trace):
         fig.canvas.draw()
 
 
+def test_chinese_labels_on_axes_made_before_the_font_was_added(trace):
+    """A notebook makes its axes (``plt.subplots``) and hands them to the course's plotting functions; the first such
+    figure in a Chinese kernel (notebook 04's two timelines) was made before the CJK font was added, and its axis
+    labels, whose text objects the axes made then, drew as empty boxes."""
+    from minivllm.course.viz.plots import plot_free_blocks
+
+    from minivllm.course.viz.block_table_map import draw_block_table_map
+
+    fig, axes = plt.subplots(1, 3)
+    set_language("zh_CN")
+    assert fonts.FONT_NAME not in matplotlib.rcParams["font.family"]  # nothing has added it yet in this test
+    plot_timeline(trace, axes[0])
+    plot_free_blocks(trace, axes[1])
+    draw_block_table_map(trace[STEP], 16, ax=axes[2])  # notebook 03: its title is set with loc="left"
+    assert (axes[0].get_xlabel(), axes[0].get_ylabel()) == ("引擎步", "请求")
+    for ax in axes:
+        for text in (ax.title, ax._left_title, ax.xaxis.label, ax.yaxis.label):
+            assert text.get_fontfamily()[-1] == fonts.FONT_NAME, text.get_text()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Glyph ... missing from font(s) DejaVu Sans" is a UserWarning
+        fig.canvas.draw()
+
+
+def test_monospaced_chinese_labels_have_the_cjk_font():
+    """The hash chain writes 「哈希 <hash>」 in a monospaced font (notebook 07): an explicit family replaces the font
+    list, so 哈希 drew as empty boxes until the CJK font came after ``monospace``."""
+    from minivllm.course.trace import TracedLLMEngine
+    from minivllm.course.viz.hash_chain import draw_hash_chain
+
+    eng = TracedLLMEngine("tiny", block_size=4, num_gpu_blocks=16, max_model_len=64)
+    eng.add_request("A", list(range(11, 24)), SamplingParams(temperature=0, max_tokens=2))
+    eng.step()
+    assert fonts.monospace() == "monospace"
+    set_language("zh_CN")
+    ax = draw_hash_chain([eng.scheduler.requests["A"]], 4, eng.kv_cache_manager.block_pool)
+    hashes = [t for t in ax.texts if t.get_text().startswith("哈希 ")]
+    assert len(hashes) == 3 and all(t.get_fontfamily() == ["monospace", fonts.FONT_NAME] for t in hashes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ax.figure.canvas.draw()
+
+
 def test_english_figures_keep_matplotlibs_fonts(trace):
     family = list(matplotlib.rcParams["font.family"])
     ax = plot_timeline(trace)

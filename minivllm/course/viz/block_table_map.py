@@ -64,6 +64,7 @@ def draw_block_table_map(record: StepRecord, block_size: int, ax=None, request_i
     width = max(n_pool, n_logical)
     if ax is None:
         _fig, ax = plt.subplots(figsize=(max(6.0, 0.45 * width), 3.2))
+    use_language_font(ax)
     # physical pool
     owners = record.block_owners
     for b in range(n_pool):

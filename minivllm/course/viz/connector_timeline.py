@@ -127,6 +127,7 @@ def plot_connector_timeline(trace: SchedulerTrace, ax=None, *, steps: Optional[T
     n = hi - lo + 1
     if ax is None:
         _fig, ax = plt.subplots(figsize=(min(3.2 + 0.62 * n, 17), 0.45 * len(LANES) + 1.0))
+    use_language_font(ax)
     for i, _lane in enumerate(LANES):
         for k in range(lo, hi + 1):
             cell = lanes[i][k]

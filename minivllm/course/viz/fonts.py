@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from pathlib import Path
+from typing import Any
 
 from minivllm.i18n import is_chinese
 
@@ -56,11 +57,16 @@ class _NoBoldWarning(logging.Filter):
 _NO_BOLD_WARNING = _NoBoldWarning()
 
 
-def use_language_font() -> None:
+def use_language_font(*axes: Any) -> None:
     """Make matplotlib able to draw the current language's labels; call it before drawing.
 
     English: does nothing. Chinese: registers Noto Sans CJK SC once and appends it to ``rcParams["font.family"]``
     (idempotent). Raises as :func:`cjk_font_path` when ``mplfonts`` is missing, only in Chinese.
+
+    ``axes``: axes made before this call (a notebook's ``plt.subplots`` passed in as ``ax=``). An axes' title and
+    axis labels are text objects made with the axes, which keep the font list of that moment: ``set_title`` and
+    ``set_xlabel`` change their text only, so a Chinese label on an axes made before the font was added would draw
+    as empty boxes. They get the font list too.
     """
     if not is_chinese():
         return
@@ -73,6 +79,21 @@ def use_language_font() -> None:
     family = list(matplotlib.rcParams["font.family"])
     if FONT_NAME not in family:
         matplotlib.rcParams["font.family"] = family + [FONT_NAME]
+    for ax in axes:
+        # set_title(loc="left"/"right") writes into the axes' two side titles (matplotlib keeps them as
+        # _left_title and _right_title beside the public `title`).
+        titles = [ax.title] + [t for t in (getattr(ax, "_left_title", None), getattr(ax, "_right_title", None)) if t]
+        for text in titles + [ax.xaxis.label, ax.yaxis.label]:
+            if FONT_NAME not in text.get_fontfamily():
+                text.set_fontfamily(list(text.get_fontfamily()) + [FONT_NAME])
 
 
-__all__ = ["FONT_NAME", "cjk_font_path", "use_language_font"]
+def monospace() -> Any:
+    """The font family for a monospaced label that may hold the current language's words (a hash beside 哈希):
+    ``"monospace"``, with Noto Sans CJK SC after it in Chinese (an explicit family replaces ``rcParams["font.family"]``,
+    so the Chinese characters of a monospaced label would otherwise draw as empty boxes). Call
+    :func:`use_language_font` first (it registers the font)."""
+    return ["monospace", FONT_NAME] if is_chinese() else "monospace"
+
+
+__all__ = ["FONT_NAME", "cjk_font_path", "monospace", "use_language_font"]

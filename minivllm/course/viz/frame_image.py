@@ -82,6 +82,7 @@ def draw_frame(
     if ax is None:
         n_rows = 2 + (len(s.waiting) - 1) // 6 + (len(s.running) - 1) // 6 + min(len(s.block_owners), max_blocks) // 40
         _fig, ax = plt.subplots(figsize=(9, 3.4 + 0.75 * n_rows))
+    use_language_font(ax)
     y = 0.0
     used, budget = s.total_scheduled, max(s.token_budget, 1)
     seqs = (_("   running {running} / max_num_seqs {max_num_seqs}").format(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.core.kv_cache_utils import NONE_HASH
-from minivllm.course.viz.fonts import use_language_font
+from minivllm.course.viz.fonts import monospace, use_language_font
 from minivllm.i18n import _
 
 HEX = 8  # hex digits of a hash shown
@@ -94,6 +94,7 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
     width = max([len(row) + (1 if tails[rid] else 0) for rid, row in rows.items()] + [1]) + 1
     if ax is None:
         _fig, ax = plt.subplots(figsize=(2.3 * (width + 0.6), 1.35 * len(rows) + 0.4))
+    use_language_font(ax)
     for y, (rid, row) in enumerate(reversed(list(rows.items()))):
         ax.text(-0.35, y + 0.4, rid, ha="right", va="center", fontsize=10, fontweight="bold")
         ax.text(0, y + 0.4, f"NONE_HASH\n{NONE_HASH.hex()[:HEX]}", ha="left", va="center", fontsize=7, color="grey")
@@ -102,7 +103,7 @@ def draw_hash_chain(requests: Sequence[Any], block_size: int, block_pool: Any = 
             face = colour.get(b.hash, "#e6e6e6")
             ax.add_patch(plt.Rectangle((x, y + 0.05), 0.8, 0.7, facecolor=face, edgecolor="black", alpha=0.85))
             ax.text(x + 0.4, y + 0.55, " ".join(str(t) for t in b.tokens), ha="center", va="center", fontsize=6.5)
-            ax.text(x + 0.4, y + 0.3, _("hash {hash}").format(hash=b.hash), ha="center", va="center", fontsize=7, family="monospace")
+            ax.text(x + 0.4, y + 0.3, _("hash {hash}").format(hash=b.hash), ha="center", va="center", fontsize=7, family=monospace())
             where = _("not cached") if b.cached_block_id is None else _("block {block}").format(block=b.cached_block_id)
             ax.text(x + 0.4, y - 0.05, where, ha="center", va="center", fontsize=6.5, color="dimgrey")
             ax.annotate("", xy=(x, y + 0.4), xytext=(x - 0.2 if b.index else x - 0.3, y + 0.4),

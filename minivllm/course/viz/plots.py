@@ -23,6 +23,7 @@ def _axes(ax, size):
     use_language_font()
     if ax is None:
         _fig, ax = plt.subplots(figsize=size)
+    use_language_font(ax)  # an axes the caller made before the font was added
     return ax
 
 
