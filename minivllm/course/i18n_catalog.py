@@ -46,7 +46,36 @@ def template():
                              comment_tags=("Translators:",), strip_comment_tags=True)
     for filename, lineno, message, comments, context in found:
         catalog.add(message, None, [(f"minivllm/{filename}", lineno)], auto_comments=comments, context=context)
+    for location, message, comments, context in notebook_messages():
+        catalog.add(message, None, [(location, 0)], auto_comments=comments, context=context)
     return catalog
+
+
+def notebook_messages():
+    """``(location, message, comments, context)`` of every ``_("...")``/``ngettext`` in the English notebooks'
+    code cells: the labels, titles and prediction texts that a notebook's own code prints or draws. The code cells
+    are the same in both editions; ``_`` (``from minivllm.i18n import _``) gives the Chinese edition its Chinese.
+    """
+    import json
+
+    from babel.messages.extract import extract
+
+    notebooks = PACKAGE_DIR.parent / "notebooks"
+    paths = sorted(notebooks.glob("[0-9][0-9]_*.ipynb")) + sorted((notebooks / "solutions").glob("*.ipynb"))
+    for path in paths:
+        for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+            if cell["cell_type"] != "code":
+                continue
+            src = "".join(cell["source"])
+            if "_(" not in src and "ngettext(" not in src:
+                continue
+            # IPython lines (%magic, !shell) are not Python: blanked so that the extractor reads the rest
+            code = "\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.splitlines())
+            where = f"{path.relative_to(notebooks.parent).as_posix()}#{cell['id']}"
+            for _lineno, message, comments, context in extract("python", io.BytesIO(code.encode("utf-8")),
+                                                                keywords=KEYWORDS, comment_tags=("Translators:",),
+                                                                strip_comment_tags=True):
+                yield where, message, comments, context
 
 
 def _po_bytes(catalog, **kw) -> bytes:
