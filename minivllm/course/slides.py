@@ -46,6 +46,8 @@ import sys
 from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from minivllm.i18n import _, get_language, set_language
+
 # The repository root. The notebooks, images/ and node_modules/ are files of the repository, not of the package:
 # they are there in a source checkout (an editable install included), not beside an installed wheel
 # (``source_checkout_dir`` says so).
@@ -234,14 +236,14 @@ def _sections(name: str) -> int:
     import json
 
     cells = json.loads((NOTEBOOKS_DIR / f"{name}.ipynb").read_text(encoding="utf-8"))["cells"]
-    return count_slides(_types_with_limit([p for _, p in split_at_headings(cells)], None))
+    return count_slides(_types_with_limit([p for _i, p in split_at_headings(cells)], None))
 
 
 def line_limit(cells: Sequence[dict], max_slides: int) -> Optional[int]:
     """The overflow limit, in estimated lines, that cuts ``cells`` into at most ``max_slides`` slides (counted on
     ``split_at_headings``'s parts, as exported): the first of ``SCREEN_STEPS`` screens that does, or None (cut at
     the headings only) when none does."""
-    parts = [part for _, part in split_at_headings(cells)]
+    parts = [part for _i, part in split_at_headings(cells)]
     for screens in SCREEN_STEPS:
         limit = int(screens * SCREEN_LINES)
         if count_slides(_types_with_limit(parts, limit)) <= max_slides:
@@ -257,7 +259,7 @@ def part_slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) ->
     limit = MAX_SLIDE_LINES if max_slides is None else line_limit(cells, max_slides)
     if max_slides is not None and max_slides < 1:
         raise ValueError(f"max_slides must be >= 1, got {max_slides}")
-    types = _types_with_limit([part for _, part in parts], limit)
+    types = _types_with_limit([part for _i, part in parts], limit)
     return [(i, part, t) for (i, part), t in zip(parts, types)]
 
 
@@ -275,7 +277,7 @@ def slide_types(cells: Sequence[dict], max_slides: Optional[int] = None) -> List
         ValueError: ``max_slides`` below 1.
     """
     first: Dict[int, str] = {}
-    for i, _, t in part_slide_types(cells, max_slides):
+    for i, _part, t in part_slide_types(cells, max_slides):
         first.setdefault(i, t)
     return [first[i] for i in range(len(cells))]
 
@@ -415,14 +417,16 @@ def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
         segments = run_sheet_segments(text)
         own = {name[:2]: name for name in lecture}
         overview = "\n".join(
-            [f"**Run sheet: {title}** ({path.name})", "", _preamble(text), "", "| # | min | at | segment |",
+            [_("**Run sheet: {title}** ({file})").format(title=title, file=path.name), "", _preamble(text), "",
+             _("| # | min | at | segment |"),
              "|---|---|---|---|"]
             + [f"| {g['number']} | {g['minutes']} | {_clock(g['start'])} | {g['title']} |" for g in segments])
         for name in lecture:
             notes[name].append((None, overview))
         for g in segments:
-            where = f"**Segment {g['number']} of {len(segments)} · {g['minutes']} min · " \
-                    f"{_clock(g['start'])}-{_clock(g['start'] + g['minutes'])}** ({title})"
+            where = _("**Segment {k} of {n} · {minutes} min · {start}-{end}** ({title})").format(
+                k=g["number"], n=len(segments), minutes=g["minutes"], start=_clock(g["start"]),
+                end=_clock(g["start"] + g["minutes"]), title=title)
             mine = [(nb, h) for nb, h in g["cited"] if nb in own]
             if not mine:
                 notes[lecture[0]].append((None, f"{where}\n\n{g['body']}"))
@@ -431,7 +435,7 @@ def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
             notes[own[first[0]]].append((first[1], f"{where}\n\n{g['body']}"))
             for nb, h in dict.fromkeys(mine[1:]):
                 if (nb, h) != first:
-                    notes[own[nb]].append((h, f"{where}, continued\n\n{g['body']}"))
+                    notes[own[nb]].append((h, _("{where}, continued").format(where=where) + f"\n\n{g['body']}"))
     return notes
 
 
@@ -537,8 +541,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     ``index.html`` linking them, the assets in ``out/lib`` and ``out/@jupyter-widgets``, the course figures the
     notebooks show in ``out/images``), from their stored outputs: nothing is executed. The folder is
     self-contained: copy it to the lecture machine and open ``index.html``. ``folder``: where the notebooks are
-    (default ``notebooks/``; ``notebooks/zh-CN`` gives the Chinese edition's decks, whose speaker notes are left
-    out: the run sheets cite the English headings).
+    (default ``notebooks/``; ``notebooks/zh-CN`` gives the Chinese edition's decks, with the speaker notes of the
+    Chinese run sheets in ``notebooks/lectures/zh-CN/``).
 
     Returns:
         ``notebook stem -> HTML file``.
@@ -571,7 +575,15 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     c.SlidesExporter.reveal_width = "1280"
     c.SlidesExporter.reveal_height = "800"
     exporter = SlidesExporter(config=c)
-    notes = lecture_notes()
+    # The Chinese decks take their speaker notes from the Chinese run sheets (lectures/zh-CN/), which cite the
+    # Chinese headings; their labels ("Segment k of n") in Chinese too.
+    before = get_language()
+    if chinese:
+        set_language("zh_CN")
+    try:
+        notes = lecture_notes(LECTURES_DIR / "zh-CN" if chinese else LECTURES_DIR)
+    finally:
+        set_language(before)
     written: Dict[str, Path] = {}
     for p in paths:
         nb = nbformat.read(p, as_version=4)
@@ -585,8 +597,8 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
             seen.add(i)
             shown.append(part)
         nb.cells = shown
-        add_notes(nb, [] if chinese else notes.get(p.stem, []), p.stem)
-        body, _ = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
+        add_notes(nb, notes.get(p.stem, []), p.stem)
+        body, _resources = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
         # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
         body = re.sub(r'src="(\.\./)+images/', 'src="images/', body)
         # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
