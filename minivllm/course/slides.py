@@ -384,8 +384,9 @@ def _preamble(text: str) -> str:
     """The run sheet's text before ``## Segments`` from its ``**Goal.**`` on (goal, before class, what to cut when
     time runs short); the lines above it (title, notebooks, length, decks) say what the deck already shows."""
     head = text.split("## Segments", 1)[0]
-    if "**Goal.**" in head:
-        return "**Goal.** " + head.split("**Goal.**", 1)[1].strip()
+    for label in ("**Goal.**", "**目标。**"):  # the Chinese run sheets (lectures/zh-CN) say 目标
+        if label in head:
+            return label + " " + head.split(label, 1)[1].strip()
     return "\n".join(line for line in head.splitlines() if not line.startswith("# ")).strip()
 
 
