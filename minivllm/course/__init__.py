@@ -10,7 +10,26 @@ vLLM has no counterpart: these exist to show what the engine does, step by step.
 """
 
 # The course's language switch (English by default; the Chinese edition's notebooks call set_language("zh_CN")):
-# re-exported from minivllm.i18n, where the engine's few translated errors read it too.
-from minivllm.i18n import get_language, set_language  # noqa: E402,F401
+# minivllm.i18n holds the language, where the engine's few translated errors read it too.
+from minivllm.i18n import get_language  # noqa: E402,F401
+from minivllm.i18n import set_language as _set_messages_language  # noqa: E402
+
+
+def set_language(language: str) -> str:
+    """Switch the package's messages to ``language`` (:func:`minivllm.i18n.set_language`: ``"en"`` or
+    ``"zh_CN"``; returns the normalised language; ``ValueError`` for any other value, nothing changed) and, in
+    Chinese, make matplotlib able to draw Chinese from now on (:func:`minivllm.course.viz.fonts.use_language_font`).
+
+    The font has to be in ``rcParams["font.family"]`` before a notebook creates its axes: an axes' title and axis
+    labels take their font when the axes are made, so a course function that later writes Chinese into axes the
+    notebook made (``plot_timeline(trace, ax)``, ``draw_block_table_map(..., ax=ax)``) would draw empty boxes.
+    Raises as :func:`~minivllm.course.viz.fonts.cjk_font_path` (``mplfonts`` missing), in Chinese only, after the
+    messages have switched."""
+    lang = _set_messages_language(language)
+    from minivllm.course.viz.fonts import use_language_font  # matplotlib only when the language is set
+
+    use_language_font()
+    return lang
+
 
 __all__ = ["get_language", "set_language"]

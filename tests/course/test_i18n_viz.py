@@ -151,6 +151,25 @@ def test_monospaced_chinese_labels_have_the_cjk_font():
         ax.figure.canvas.draw()
 
 
+def test_axes_a_chinese_notebook_makes_before_drawing_get_the_cjk_font_too(trace):
+    """The Chinese notebooks' first cell is ``minivllm.course.set_language("zh_CN")``; later a notebook makes its own
+    axes (``fig, ax = plt.subplots()``) and hands them to a course function (notebook 04: ``plot_timeline(trace, ax,
+    ...)``). An axes' title and axis labels take their font when the axes are made, so the CJK font must be in
+    ``font.family`` from that first cell on, not only from the first course drawing: else 请求/引擎步 are empty boxes."""
+    from minivllm.course import set_language as course_set_language
+
+    assert fonts.FONT_NAME not in matplotlib.rcParams["font.family"]
+    assert course_set_language("zh_CN") == "zh_CN"
+    assert matplotlib.rcParams["font.family"][-1] == fonts.FONT_NAME
+    _fig, ax = plt.subplots()
+    plot_timeline(trace, ax, title="第 4 步")
+    assert (ax.get_title(), ax.get_xlabel(), ax.get_ylabel()) == ("第 4 步", "引擎步", "请求")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # "Glyph ... missing from font(s) DejaVu Sans" is a UserWarning
+        ax.figure.canvas.draw()
+    assert course_set_language("en") == "en" and get_language() == "en"
+
+
 def test_english_figures_keep_matplotlibs_fonts(trace):
     family = list(matplotlib.rcParams["font.family"])
     ax = plot_timeline(trace)
