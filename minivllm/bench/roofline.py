@@ -106,18 +106,24 @@ def step_cost(config: LlamaConfig, dtype: torch.dtype, context_lens: Sequence[in
 
 def plot_roofline(ax, peak_flops: float, bandwidth: float, points=(), xlim=(0.1, 1000.0)):
     """Draw the roofline (GFLOP/s against FLOPs per byte, log-log) and ``points``: ``(label, StepCost, seconds)``
-    with the rate each step reached. Returns ``ax``."""
+    with the rate each step reached. Returns ``ax``. The roofline's own labels are in the current language (the
+    points' labels are the caller's)."""
     import numpy as np
 
+    from minivllm.course.viz.fonts import use_language_font
+    from minivllm.i18n import _
+
+    use_language_font(ax)
+
     x = np.logspace(np.log10(xlim[0]), np.log10(xlim[1]), 200)
-    ax.loglog(x, np.minimum(peak_flops, x * bandwidth) / 1e9, color="black", lw=2, label="roofline (measured)")
+    ax.loglog(x, np.minimum(peak_flops, x * bandwidth) / 1e9, color="black", lw=2, label=_("roofline (measured)"))
     ridge = peak_flops / bandwidth
     ax.axvline(ridge, color="grey", ls=":", lw=1)
-    ax.annotate(f"ridge: {ridge:.0f} FLOP/byte", (ridge, peak_flops / 1e9 / 30), rotation=90, fontsize=8,
+    ax.annotate(_("ridge: {ridge} FLOP/byte").format(ridge=f"{ridge:.0f}"), (ridge, peak_flops / 1e9 / 30), rotation=90, fontsize=8,
                 ha="right", color="grey")
     for label, cost, seconds in points:
         ax.loglog([cost.intensity], [cost.flops / seconds / 1e9], "o", ms=8, label=label)
-    ax.set_xlabel("arithmetic intensity (FLOPs per byte from memory)")
+    ax.set_xlabel(_("arithmetic intensity (FLOPs per byte from memory)"))
     ax.set_ylabel("GFLOP/s")
     ax.legend(fontsize=8, loc="lower right")
     ax.grid(True, which="both", alpha=0.2)

@@ -9,16 +9,19 @@ import time
 from dataclasses import dataclass
 from typing import Dict, List, Tuple
 
-# First matching rule wins (``bmm`` before ``mm``).
+from minivllm.i18n import N_, _, is_chinese
+
+# First matching rule wins (``bmm`` before ``mm``). The labels are English keys; ``profile_step`` returns them in
+# the current language (notebook 09 prints and plots ``by_category`` as it is).
 CATEGORIES: List[Tuple[str, Tuple[str, ...]]] = [
-    ("attention: KV gather", ("index_select",)),
-    ("attention: QK^T, softmax, PV", ("bmm", "softmax", "masked_fill", "scaled_dot_product", "paged_attention")),
-    ("linear layers + LM head", ("_linear_pointwise", "aten::mm", "aten::addmm")),
-    ("KV cache write", ("index_copy",)),
-    ("sampling", ("argmax", "exponential", "topk", "sort")),
+    (N_("attention: KV gather"), ("index_select",)),
+    (N_("attention: QK^T, softmax, PV"), ("bmm", "softmax", "masked_fill", "scaled_dot_product", "paged_attention")),
+    (N_("linear layers + LM head"), ("_linear_pointwise", "aten::mm", "aten::addmm")),
+    (N_("KV cache write"), ("index_copy",)),
+    (N_("sampling"), ("argmax", "exponential", "topk", "sort")),
 ]
-OTHER = "other tensor ops (norms, RoPE, SiLU, copies)"
-OVERHEAD = "Python + dispatch (no operator running)"
+OTHER = N_("other tensor ops (norms, RoPE, SiLU, copies)")
+OVERHEAD = N_("Python + dispatch (no operator running)")
 
 
 def categorise(op_name: str) -> str:
@@ -35,7 +38,8 @@ class StepProfile:
 
     Attributes:
         wall_s: the step's wall time, seconds.
-        by_category: seconds per category (``OVERHEAD`` is wall time minus all operators' self time).
+        by_category: seconds per category (``OVERHEAD`` is wall time minus all operators' self time), keyed by
+            the category's label in the current language (``CATEGORIES``' English labels by default).
         top_ops: ``(operator, calls, seconds)``, largest first.
     """
 
@@ -63,7 +67,7 @@ def profile_step(engine) -> StepProfile:
         t = time.perf_counter()
         engine.step()
         wall = time.perf_counter() - t
-    cats: Dict[str, float] = {label: 0.0 for label, _ in CATEGORIES}
+    cats: Dict[str, float] = {label: 0.0 for label, _keys in CATEGORIES}
     cats[OTHER] = 0.0
     ops = []
     for e in prof.key_averages():
@@ -74,4 +78,10 @@ def profile_step(engine) -> StepProfile:
         ops.append((e.key, e.count, sec))
     cats[OVERHEAD] = max(wall - sum(cats.values()), 0.0)
     ops.sort(key=lambda o: -o[2])
-    return StepProfile(wall, cats, ops[:12])
+    if is_chinese():
+        # The notebook plots these labels with pandas on axes it makes itself: the CJK font must be in
+        # rcParams before it does, or the Chinese labels draw as empty boxes.
+        from minivllm.course.viz.fonts import use_language_font
+
+        use_language_font()
+    return StepProfile(wall, {_(k): v for k, v in cats.items()}, ops[:12])

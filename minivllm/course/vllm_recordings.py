@@ -12,17 +12,38 @@ of the recordings count usable blocks only, like minivllm's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.bench.vllm_check import compare, load_recordings, load_scenarios
+from minivllm.i18n import N_, _
 
 VLLM_TAG = "v0.32.0"
-MODE_TITLES = {
-    "v1-sync": "vLLM 0.32, V1 model runner, synchronous (live engine)",
-    "v1-async": "vLLM 0.32, V1 model runner, async scheduling (vLLM's AsyncScheduler, scripted outputs)",
-    "v2-sync": "vLLM 0.32, Model Runner V2, synchronous (vLLM's Scheduler, scripted outputs)",
-    "v2-async": "vLLM 0.32, Model Runner V2, async scheduling (vLLM's AsyncScheduler, scripted outputs)",
-}
+
+
+class _Titles(Mapping):
+    """A read-only ``{mode: title}`` whose titles are looked up in the current language when read (the notebooks
+    print ``MODE_TITLES[mode]``: the same code prints English or Chinese)."""
+
+    def __init__(self, titles: Dict[str, str]) -> None:
+        self._titles = dict(titles)
+
+    def __getitem__(self, mode: str) -> str:
+        return _(self._titles[mode])
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._titles)
+
+    def __len__(self) -> int:
+        return len(self._titles)
+
+
+MODE_TITLES: Mapping = _Titles({
+    "v1-sync": N_("vLLM 0.32, V1 model runner, synchronous (live engine)"),
+    "v1-async": N_("vLLM 0.32, V1 model runner, async scheduling (vLLM's AsyncScheduler, scripted outputs)"),
+    "v2-sync": N_("vLLM 0.32, Model Runner V2, synchronous (vLLM's Scheduler, scripted outputs)"),
+    "v2-async": N_("vLLM 0.32, Model Runner V2, async scheduling (vLLM's AsyncScheduler, scripted outputs)"),
+})
 
 _CACHE: Dict[str, Any] = {}
 

@@ -127,3 +127,82 @@ def test_grade_table_columns_stay_aligned_in_chinese(english_after):
         for row in rows:
             mark = next(m for m in (i18n._(grade_mod.STATUS_MARK[s]) for s in ("blank", "passed")) if m in row)
             assert text_width(row[:row.index(mark)]) == col, (lang, row)
+
+
+def test_workload_names_stay_keys_and_are_shown_in_the_current_language(english_after):
+    from minivllm.course.learner import compare, lesson04, lesson05, lesson08
+
+    w = lesson04.NOTEBOOK_WORKLOADS[1]
+    english = compare.describe(w)
+    assert english.startswith("'whole prompt' (block_size=4, ")
+    i18n.set_language("zh_CN")
+    assert w["name"] == "whole prompt"  # the key the checkers and the notebook use does not change
+    assert [s["name"] for s in lesson08.SCENARIOS][0] == "1: B shares two blocks with a saved prompt"
+    assert compare.describe(w).startswith("'整段 prompt'（block_size=4, ")
+    assert compare.display_name("hidden 606.3") == "隐藏用例 606.3"
+    assert compare.display_name("hidden priority 608.1") == "隐藏用例（priority 策略）608.1"
+    assert compare.display_name("hidden: preemption and resume, step 7") == "隐藏用例：抢占与恢复，第 7 步"
+    assert compare.display_name("3: C is preempted twice (10 blocks of 4)") == "3：C 被抢占两次（10 个块，每块 4 个 token）"
+    assert compare.display_name("not a marked name") == "not a marked name"
+    assert compare.display_name("") == ""  # not the catalog's header
+    case = lesson05.hidden_batch_cases()[0]
+    assert case.name == "hidden: many requests, block size 4, step 0"
+    i18n.set_language("en")
+    assert compare.describe(w) == english
+    assert compare.display_name("hidden priority 608.1") == "hidden priority 608.1"
+    assert compare.display_name("hidden: preemption and resume, step 7") == "hidden: preemption and resume, step 7"
+
+
+def test_recording_titles_and_comparison_lines_follow_the_switch(english_after):
+    from minivllm.bench.vllm_check import compare
+    from minivllm.course import vllm_recordings as vr
+
+    assert list(vr.MODE_TITLES) == ["v1-sync", "v1-async", "v2-sync", "v2-async"]
+    assert vr.MODE_TITLES["v1-sync"] == "vLLM 0.32, V1 model runner, synchronous (live engine)"
+    assert compare.compare_run({"steps": [{}, {}]}, {"steps": [{}, {}]}, live=False) == (True, "2 steps equal")
+    short = compare.compare_run({"steps": [{}, {}]}, {"steps": [{}]}, live=False)[1]
+    assert short.startswith("first difference at step 1 (vLLM has 2 steps, minivllm 1):\n")
+    i18n.set_language("zh_CN")
+    assert vr.MODE_TITLES["v2-async"] == ("vLLM 0.32，Model Runner V2，异步调度（vLLM 的 AsyncScheduler，"
+                                          "输出按脚本给定）")
+    assert compare.compare_run({"steps": [{}, {}]}, {"steps": [{}, {}]}, live=False) == (True, "2 步全部一致")
+    short = compare.compare_run({"steps": [{}, {}]}, {"steps": [{}]}, live=False)[1]
+    assert short.startswith("第一处不同在第 1 步（vLLM 共 2 步，minivllm 共 1 步）：\n")
+    with pytest.raises(KeyError):
+        vr.MODE_TITLES["v3-sync"]
+
+
+def _right_slot_mapping(block_table, positions, block_size):
+    return [block_table[p // block_size] * block_size + p % block_size for p in positions]
+
+
+def test_passed_part_line_follows_the_switch(english_after, capsys):
+    assert parts.check("slot_mapping", _right_slot_mapping, hidden=False) is True
+    english = capsys.readouterr().out
+    assert english.startswith("✓ slot_mapping (slot_mapping): ")
+    i18n.set_language("zh_CN")
+    assert parts.check("slot_mapping", _right_slot_mapping, hidden=False) is True
+    assert capsys.readouterr().out.startswith("✓ slot_mapping（slot_mapping）：")
+
+
+def test_step_profile_categories_are_keys_in_english_and_shown_in_chinese(english_after):
+    from minivllm import LLMEngine, SamplingParams
+    from minivllm.bench.step_profile import CATEGORIES, OVERHEAD, profile_step
+
+    eng = LLMEngine("tiny")
+    eng.add_request("a", [5, 6, 7, 8], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    english = profile_step(eng)
+    assert set(english.by_category) == {label for label, _keys in CATEGORIES} | {
+        "other tensor ops (norms, RoPE, SiLU, copies)", OVERHEAD}
+    import matplotlib
+
+    family = list(matplotlib.rcParams["font.family"])
+    i18n.set_language("zh_CN")
+    try:
+        chinese = profile_step(eng)  # also adds the CJK font, for the notebook's own plot of these labels
+        assert "Noto Sans CJK SC" in matplotlib.rcParams["font.family"]
+    finally:
+        matplotlib.rcParams["font.family"] = family
+    assert "注意力：KV 收集（gather）" in chinese.by_category and "Python + 分派（没有算子在运行）" in chinese.by_category
+    assert len(chinese.by_category) == len(english.by_category)
+    assert OVERHEAD == "Python + dispatch (no operator running)"  # the constant stays the English key

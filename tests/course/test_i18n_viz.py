@@ -224,3 +224,65 @@ def test_provoked_engine_errors_are_chinese_under_zh():
     assert str(e.value) == ("prompt 有 40 个 token，需要 10 个 KV 块（block_size=4），但整个缓存只有 num_gpu_blocks=9"
                             "（36 个 token）：它永远无法调度")
     assert "huge" not in engine.scheduler.requests
+
+
+def test_event_labels_take_the_chinese_colon(trace):
+    assert '<div class="mv-events">new: <span data-event="new">' in render_frame_html(trace, STEP, selected="3")
+    set_language("zh_CN")
+    html = render_frame_html(trace, STEP, selected="3")
+    assert '<div class="mv-events">新加入： <span data-event="new">' in html and "恢复： <span" in html
+    assert "新加入:" not in html and "恢复:" not in html
+
+
+def test_connector_lane_labels_follow_the_language():
+    from minivllm.course.viz.connector_timeline import LANES, connector_lanes
+
+    calls = [{"call": "get_num_new_matched_tokens", "req_id": "B", "result": (32, True)},
+             {"call": "update_state_after_alloc", "req_id": "B", "num_external_tokens": 32},
+             {"call": "build_connector_meta", "meta": {"load_async": {"B": 2}, "save": {"C": 1}}},
+             {"call": "get_finished", "finished_recving": ["B"]}]
+    trace = [SimpleNamespace(connector_calls=calls)]
+    names = [name for _side, name in LANES]
+
+    def labels():
+        lanes = connector_lanes(trace)
+        return [lanes[names.index(n)][0] for n in ("get_num_new_matched_tokens", "update_state_after_alloc",
+                                                   "build_connector_meta: loads", "build_connector_meta: saves",
+                                                   "get_finished")]
+
+    english = labels()
+    assert english == [[("B", "+32 async")], [("B", "ext 32")], [("B", "2 blk async")], [("C", "1 blk")],
+                       [("B", "loaded")]]
+    set_language("zh_CN")
+    assert labels() == [[("B", "+32 异步")], [("B", "外部 32")], [("B", "2 块 异步")], [("C", "1 块")],
+                        [("B", "已加载")]]
+    set_language("en")
+    assert labels() == english
+
+
+def test_roofline_and_serving_plots_are_chinese_under_zh():
+    from minivllm.bench.roofline import StepCost, plot_roofline
+    from minivllm.bench.serve.plot import plot_latency_vs_rate
+
+    def texts(fig):
+        return {t.get_text() for t in fig.findobj(matplotlib.text.Text)}
+
+    point = [("decode, batch 1", StepCost(2e9, 1e9), 0.05)]
+    stat = {"median": 10.0, "min": 9.0, "max": 11.0}
+    rows = [{"target": "minivllm", "request_rate": r, "ttft_p99_ms": stat, "itl_p50_ms": stat, "e2el_p99_ms": stat,
+             "output_tok_s": stat} for r in (4.0, float("inf"))]
+
+    def draw():
+        fig, ax = plt.subplots()
+        plot_roofline(ax, 50e9, 10e9, point)
+        return texts(fig) | {t.get_text() for t in ax.get_legend().get_texts()}, texts(plot_latency_vs_rate(rows))
+
+    roof, serve = draw()
+    assert {"roofline (measured)", "ridge: 5 FLOP/byte", "arithmetic intensity (FLOPs per byte from memory)"} <= roof
+    assert {"request rate (req/s)", "p99 time to first token (ms)"} <= serve
+    set_language("zh_CN")
+    roof, serve = draw()
+    assert {"roofline（实测）", "拐点：5 FLOP/字节", "算术强度（每从内存读 1 字节做的 FLOP 数）",
+            "decode, batch 1"} <= roof
+    assert {"请求速率（请求/秒）", "p99 首 token 延迟 TTFT（ms）", "每秒输出 token 数"} <= serve
+    assert fonts.FONT_NAME in matplotlib.rcParams["font.family"]

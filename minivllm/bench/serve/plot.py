@@ -22,10 +22,14 @@ def plot_latency_vs_rate(summary: List[dict], path: Optional[str] = None, title:
         matplotlib.use("Agg", force=False)
     import matplotlib.pyplot as plt
 
+    from minivllm.course.viz.fonts import use_language_font
+    from minivllm.i18n import _
+
+    use_language_font()  # before the figure: its texts take the font list of the moment they are made
     rates = sorted({r["request_rate"] for r in summary})
     xs = _x(rates)
-    panels = [("ttft_p99_ms", "p99 time to first token (ms)"), ("itl_p50_ms", "p50 inter-token latency (ms)"),
-              ("e2el_p99_ms", "p99 end-to-end latency (ms)"), ("output_tok_s", "output tokens/s")]
+    panels = [("ttft_p99_ms", _("p99 time to first token (ms)")), ("itl_p50_ms", _("p50 inter-token latency (ms)")),
+              ("e2el_p99_ms", _("p99 end-to-end latency (ms)")), ("output_tok_s", _("output tokens/s"))]
     fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4))
     for ax, (key, label) in zip(axes, panels):
         for target in dict.fromkeys(r["target"] for r in summary):
@@ -38,11 +42,11 @@ def plot_latency_vs_rate(summary: List[dict], path: Optional[str] = None, title:
             err = [[m - r[key]["min"] for m, r in zip(med, rows)], [r[key]["max"] - m for m, r in zip(med, rows)]]
             ax.errorbar(x, med, yerr=err, marker="o", capsize=3, label=target)
         ax.set_xticks([xs[r] for r in rates], [f"{r:g}" for r in rates])
-        ax.set_xlabel("request rate (req/s)")
+        ax.set_xlabel(_("request rate (req/s)"))
         ax.set_ylabel(label)
         ax.grid(alpha=0.3)
     axes[0].legend()
-    fig.suptitle(title or "open-loop load: latency against request rate (median of repeats, min-max bars)")
+    fig.suptitle(title or _("open-loop load: latency against request rate (median of repeats, min-max bars)"))
     fig.tight_layout()
     if path is not None:
         fig.savefig(path, dpi=110)

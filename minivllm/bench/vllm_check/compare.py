@@ -23,6 +23,8 @@ from __future__ import annotations
 import json
 from typing import Any, Dict, List, Optional, Tuple
 
+from minivllm.i18n import _
+
 STEP_FIELDS = ("num_scheduled_tokens", "new", "cached", "resumed", "num_computed_at_admission", "preempted",
                "finished_req_ids", "waiting", "running", "num_free_blocks", "sampled", "finished")
 COMMON_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished",
@@ -127,7 +129,8 @@ def compare_run(vllm_run: Dict[str, Any], mini_run: Dict[str, Any], live: bool,
         if a == b:
             continue
         keys = list(a or b)
-        lines = [f"first difference at step {i} (vLLM has {len(vs)} steps, minivllm {len(ms)}):",
+        lines = [_("first difference at step {step} (vLLM has {vllm} steps, minivllm {mini}):").format(
+                     step=i, vllm=len(vs), mini=len(ms)),
                  f"  {'field':<26} {'vLLM':<48} minivllm"]
         for k in keys:
             va, vb = a.get(k, "(no step)"), b.get(k, "(no step)")
@@ -151,5 +154,5 @@ def compare_run(vllm_run: Dict[str, Any], mini_run: Dict[str, Any], live: bool,
                 if x.get(k) != y.get(k):
                     diffs.append(f"  {rid}.{k}: vLLM {x.get(k)}  minivllm {y.get(k)}")
         if diffs:
-            return False, "outputs differ:\n" + "\n".join(diffs)
-    return True, f"{len(vs)} steps equal"
+            return False, _("outputs differ:") + "\n" + "\n".join(diffs)
+    return True, _("{n} steps equal").format(n=len(vs))

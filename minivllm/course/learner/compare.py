@@ -102,6 +102,28 @@ def random_workloads(seed: int, n: int, prefix_caching: Optional[bool] = None, c
     return out
 
 
+_HIDDEN_NAME = re.compile(r"^hidden( priority)? (\d+)\.(\d+)$")
+_STEP_NAME = re.compile(r"^(.*), step (\d+)$")
+
+
+def display_name(name: str) -> str:
+    """A workload's or case's ``name`` as the learner reads it, in the current language.
+
+    The name stays the key (English, what the tests and the caches compare); only what is printed is translated:
+    a name marked with ``N_`` where it is defined is looked up in the catalog, ``"hidden 606.3"`` and
+    ``"hidden priority 608.1"`` (the random workloads) and ``"<case>, step N"`` (``flattened_batch``'s recorded
+    steps) are rebuilt from their translated patterns. An unknown name is returned unchanged.
+    """
+    m = _STEP_NAME.match(name)
+    if m:
+        return _("{case}, step {step}").format(case=display_name(m.group(1)), step=m.group(2))
+    m = _HIDDEN_NAME.match(name)
+    if m:
+        pattern = _("hidden priority {seed}.{k}") if m.group(1) else _("hidden {seed}.{k}")
+        return pattern.format(seed=m.group(2), k=m.group(3))
+    return _(name) if name else name  # gettext("") would return the catalog's header
+
+
 def describe(w: Dict[str, Any]) -> str:
     """One line: the workload's settings and requests (``id: prompt+output@arrival``)."""
     e = {**w["engine"], **w.get("extra_engine_kwargs", {})}
@@ -113,7 +135,7 @@ def describe(w: Dict[str, Any]) -> str:
                      f"@{r.get('arrive_at_step', 0)}" + (f" p{r['priority']}" if "priority" in r else "")
                      for r in w["requests"])
     return _("{name} ({settings}; requests prompt+output@arrival step: {requests})").format(
-        name=repr(w["name"]), settings=kw, requests=reqs)
+        name=repr(display_name(w["name"])), settings=kw, requests=reqs)
 
 
 def run_steps(w: Dict[str, Any], scheduler_cls: Optional[type] = None, with_connector: bool = False,

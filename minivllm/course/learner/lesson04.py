@@ -42,15 +42,15 @@ METHODS = ("_schedule_waiting",)
 #: The workloads the notebook shows (by name), in the order it shows them.
 NOTEBOOK_WORKLOADS: List[Dict[str, Any]] = [
     compare.workload(
-        "two limits", dict(num_usable_blocks=32, max_num_batched_tokens=24, max_num_seqs=3),
+        N_("two limits"), dict(num_usable_blocks=32, max_num_batched_tokens=24, max_num_seqs=3),
         [("A", 10, 3), ("B", 10, 4), ("C", 6, 2), ("D", 5, 3), ("E", 8, 2)],
         shows="step 0 admits A, B and C's first chunk: the budget runs out and max_num_seqs=3 is reached"),
     compare.workload(
-        "whole prompt", dict(num_usable_blocks=8, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=32),
+        N_("whole prompt"), dict(num_usable_blocks=8, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=32),
         [("A", 8, 10), ("B", 21, 2, 1), ("C", 4, 2, 1)],
         shows="B's whole prompt needs 6 blocks: it waits until A finishes, and C, which would fit, waits behind it"),
     compare.workload(
-        "first chunk", dict(num_usable_blocks=8, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=32),
+        N_("first chunk"), dict(num_usable_blocks=8, max_num_batched_tokens=8, max_num_seqs=8, max_model_len=32),
         [("A", 8, 10), ("B", 21, 2, 1), ("C", 4, 2, 1)],
         extra_engine_kwargs={"scheduler_reserve_full_isl": False},
         shows="without the whole-prompt check B starts on its first chunk and is preempted again and again"),
@@ -62,33 +62,33 @@ def _hidden_workloads() -> List[Dict[str, Any]]:
     ws = compare.random_workloads(2604, 10) + compare.random_workloads(2605, 3, prefix_caching=True,
                                                                        tight_blocks=False)
     ws += [
-        compare.workload("one slot", dict(num_usable_blocks=32, max_num_batched_tokens=32, max_num_seqs=1),
+        compare.workload(N_("one slot"), dict(num_usable_blocks=32, max_num_batched_tokens=32, max_num_seqs=1),
                          [("A", 6, 3), ("B", 3, 2), ("C", 5, 2, 1)]),
-        compare.workload("two slots, big budget", dict(num_usable_blocks=64, max_num_batched_tokens=64,
+        compare.workload(N_("two slots, big budget"), dict(num_usable_blocks=64, max_num_batched_tokens=64,
                                                        max_num_seqs=2),
                          [("A", 9, 4), ("B", 7, 6), ("C", 5, 2), ("D", 4, 3, 2)]),
         # No chunked prefill: B's 20 tokens exceed what A left of the budget; C (4) would fit and must wait.
-        compare.workload("no chunking, head too long", dict(num_usable_blocks=32, max_num_batched_tokens=32,
+        compare.workload(N_("no chunking, head too long"), dict(num_usable_blocks=32, max_num_batched_tokens=32,
                                                             max_model_len=32),
                          [("A", 20, 6), ("B", 20, 3), ("C", 4, 2)],
                          extra_engine_kwargs={"enable_chunked_prefill": False}),
         # Blocks: B's whole prompt does not fit while A runs; C would; with the check off B's chunk fits.
-        compare.workload("head waits for blocks", dict(num_usable_blocks=10, max_num_batched_tokens=12,
+        compare.workload(N_("head waits for blocks"), dict(num_usable_blocks=10, max_num_batched_tokens=12,
                                                        max_num_seqs=4, max_model_len=40),
                          [("A", 12, 9), ("B", 26, 2, 1), ("C", 3, 3, 1), ("D", 2, 2, 2)]),
-        compare.workload("head waits for blocks, check off", dict(num_usable_blocks=10, max_num_batched_tokens=12,
+        compare.workload(N_("head waits for blocks, check off"), dict(num_usable_blocks=10, max_num_batched_tokens=12,
                                                                   max_num_seqs=4, max_model_len=40),
                          [("A", 12, 9), ("B", 26, 2, 1), ("C", 3, 3, 1), ("D", 2, 2, 2)],
                          extra_engine_kwargs={"scheduler_reserve_full_isl": False}),
         # The watermark (vLLM 0.32 SchedulerConfig.watermark) holds back admissions only while others run.
-        compare.workload("watermark", dict(num_usable_blocks=8, max_num_batched_tokens=32),
+        compare.workload(N_("watermark"), dict(num_usable_blocks=8, max_num_batched_tokens=32),
                          [("A", 12, 4), ("B", 16, 2), ("C", 4, 3, 1)], extra_engine_kwargs={"watermark": 0.25}),
         # A shared prefix: admissions read cached blocks (new_computed_blocks) and start past them.
-        compare.workload("shared prefix", dict(num_usable_blocks=24, max_num_batched_tokens=16,
+        compare.workload(N_("shared prefix"), dict(num_usable_blocks=24, max_num_batched_tokens=16,
                                                enable_prefix_caching=True),
                          [("A", 14, 3), ("B", 13, 3, 1), ("C", 15, 2, 3)], shared_prefix=8),
         # Preempted requests come back through the waiting loop as resumed ones.
-        compare.workload("resumed", dict(num_usable_blocks=7, max_num_batched_tokens=32, max_model_len=28),
+        compare.workload(N_("resumed"), dict(num_usable_blocks=7, max_num_batched_tokens=32, max_model_len=28),
                          [("A", 10, 12), ("B", 10, 12)]),
     ]
     return ws

@@ -46,12 +46,12 @@ def chunk_sizing_workloads() -> List[Dict[str, Any]]:
     3. Two decoders and a 90-token prompt arriving at step 2, budget 32 (section 7 in small).
     """
     return [
-        compare.workload("160 at 64, alone", dict(block_size=16, num_usable_blocks=64, max_num_batched_tokens=64,
+        compare.workload(N_("160 at 64, alone"), dict(block_size=16, num_usable_blocks=64, max_num_batched_tokens=64,
                                                   max_model_len=512), [("A", 160, 3)]),
-        compare.workload("threshold 48 with a neighbour",
+        compare.workload(N_("threshold 48 with a neighbour"),
                          dict(block_size=16, num_usable_blocks=64, max_num_batched_tokens=64, max_model_len=512,
                               long_prefill_token_threshold=48), [("A", 160, 2), ("B", 20, 2)]),
-        compare.workload("two decoders and a late prompt",
+        compare.workload(N_("two decoders and a late prompt"),
                          dict(block_size=4, num_usable_blocks=64, max_num_batched_tokens=32, max_model_len=256),
                          [("A", 6, 12), ("B", 5, 12), ("C", 90, 3, 2)]),
     ]
@@ -62,18 +62,18 @@ def chunk_sizing_hidden() -> List[Dict[str, Any]]:
     that waits for a step whose budget it fits), resumed requests that recompute their output tokens, a
     prefix-cache hit before the first chunk, a cap under tight blocks, and random ones."""
     hand = [
-        compare.workload("hidden: lone request under a threshold",
+        compare.workload(N_("hidden: lone request under a threshold"),
                          dict(block_size=4, num_usable_blocks=64, max_num_batched_tokens=32,
                               long_prefill_token_threshold=8), [("A", 40, 2), ("B", 12, 2, 9)]),
-        compare.workload("hidden: chunked prefill off, a prompt waits for the budget",
+        compare.workload(N_("hidden: chunked prefill off, a prompt waits for the budget"),
                          dict(block_size=4, num_usable_blocks=64, max_num_batched_tokens=40, max_model_len=40),
                          [("A", 10, 6), ("B", 12, 6), ("C", 36, 2, 1), ("D", 4, 2, 1)],
                          extra_engine_kwargs={"enable_chunked_prefill": False}),
-        compare.workload("hidden: resumed requests recompute their outputs",
+        compare.workload(N_("hidden: resumed requests recompute their outputs"),
                          dict(block_size=4, num_usable_blocks=10, max_num_batched_tokens=6, max_num_seqs=4,
                               long_prefill_token_threshold=4), [("A", 11, 10), ("B", 10, 16), ("C", 5, 11),
                                                                 ("D", 8, 9)]),
-        compare.workload("hidden: prefix-cache hit before the first chunk",
+        compare.workload(N_("hidden: prefix-cache hit before the first chunk"),
                          dict(block_size=4, num_usable_blocks=48, max_num_batched_tokens=12, max_num_seqs=4,
                               long_prefill_token_threshold=5, enable_prefix_caching=True),
                          [("A", 26, 3), ("B", 30, 3, 5), ("C", 18, 2, 6)], shared_prefix=16),
@@ -225,9 +225,9 @@ def notebook_batch_cases() -> Tuple[BatchCase, ...]:
     """The notebook's steps, on the tiny model (the schedule, and so the batch, does not depend on the weights):
     section 3's 160-token prompt at a budget of 64, and section 7's two decoders with a long prompt arriving in
     step 4 (37- and 38-token prompts, 354 tokens, block size 16)."""
-    cases = cases_from_trace("160 at 64", _traced_run(16, 64, [("rhine", 160, 2)], num_gpu_blocks=64), 16)
+    cases = cases_from_trace(N_("160 at 64"), _traced_run(16, 64, [("rhine", 160, 2)], num_gpu_blocks=64), 16)
     mix = _traced_run(16, 64, [("fr", 37, 16), ("sea", 38, 16), ("long", 354, 2, 4)], num_gpu_blocks=64)
-    return tuple(cases + cases_from_trace("two decoders and a long prompt", mix, 16))
+    return tuple(cases + cases_from_trace(N_("two decoders and a long prompt"), mix, 16))
 
 
 @functools.lru_cache(maxsize=1)
@@ -236,13 +236,13 @@ def hidden_batch_cases() -> Tuple[BatchCase, ...]:
     a preempted request resuming, prefix-cache hits (context before a request's first chunk), and a request
     alone in a step after others."""
     out: List[BatchCase] = []
-    out += cases_from_trace("hidden: many requests, block size 4",
+    out += cases_from_trace(N_("hidden: many requests, block size 4"),
                             _traced_run(4, 24, [("A", 9, 5), ("B", 3, 7), ("C", 30, 2, 1), ("D", 5, 4, 3),
                                                 ("E", 14, 3, 6)], num_gpu_blocks=64), 4)
-    out += cases_from_trace("hidden: preemption and resume",
+    out += cases_from_trace(N_("hidden: preemption and resume"),
                             _traced_run(4, 16, [("A", 11, 10), ("B", 10, 16), ("C", 5, 11), ("D", 8, 9)],
                                         num_gpu_blocks=10), 4)
-    out += cases_from_trace("hidden: prefix-cache hits",
+    out += cases_from_trace(N_("hidden: prefix-cache hits"),
                             _traced_run(4, 20, [("A", 22, 3, 0, 11), ("B", 27, 3, 4, 11), ("C", 18, 2, 5, 11)],
                                         num_gpu_blocks=48, enable_prefix_caching=True), 4)
     return tuple(out)
@@ -253,7 +253,7 @@ def _as_list(v: Any, field: str, case: BatchCase) -> List[int]:
         return [int(x) for x in np.asarray(v if not isinstance(v, torch.Tensor) else v.cpu()).reshape(-1)]
     except Exception as e:  # noqa: BLE001 - any unusable value is the learner's to fix
         raise PartFailed(_("flattened_batch: on {case}, {field} is not a sequence of ints ({type}: {error})").format(
-            case=case.name, field=field, type=type(v).__name__, error=e)) from None
+            case=compare.display_name(case.name), field=field, type=type(v).__name__, error=e)) from None
 
 
 def _where(field: str, i: int, expected: Dict[str, List[int]], rids: List[str]) -> str:
@@ -334,13 +334,14 @@ def check_flattened_batch(fn: Any, hidden: bool = True) -> int:
             raise NotWritten(not_written_message(getattr(fn, '__name__', 'flatten_batch'))) from None
         except Exception as e:  # noqa: BLE001 - reported with its step
             raise PartFailed(_("flattened_batch: your function raised {error}: {message}").format(
-                error=type(e).__name__, message=e) + "\n" + _("  on {case}").format(case=case.name)) from None
+                error=type(e).__name__, message=e)
+                + "\n" + _("  on {case}").format(case=compare.display_name(case.name))) from None
         if not isinstance(got, dict):
             raise PartFailed(_("flattened_batch: on {case}, expected a dict with keys {keys}, got {type}").format(
-                case=case.name, keys=list(BATCH_FIELDS), type=type(got).__name__))
+                case=compare.display_name(case.name), keys=list(BATCH_FIELDS), type=type(got).__name__))
         d = first_batch_difference(case, got)
         if d is not None:
-            raise PartFailed(_("on {case}").format(case=case.name) + f"\n{d}")
+            raise PartFailed(_("on {case}").format(case=compare.display_name(case.name)) + f"\n{d}")
     return len(cases)
 
 

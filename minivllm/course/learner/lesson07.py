@@ -102,7 +102,7 @@ def _middle_miss() -> Dict[str, Any]:
     front). ``Y`` needs six blocks: the five unhashed ones, then A's S1, evicted. ``C`` (S0-S3 and one token) finds
     S0, misses S1, while S2 and S3 are still cached: the lookup must stop at S1."""
     s = list(range(470, 486))
-    return _wl("a miss in the middle (hidden)", dict(block_size=4, num_usable_blocks=9, max_model_len=36,
+    return _wl(N_("a miss in the middle (hidden)"), dict(block_size=4, num_usable_blocks=9, max_model_len=36,
                                                      max_num_batched_tokens=40),
                [("A", 8, 3, 0), ("B", 16, 4, 1), ("Y", 24, 1, 6), ("C", 17, 1, 8)],
                skip_reading=["B"], prompts={"A": s[:8], "B": s, "C": s + [9]})
@@ -111,14 +111,14 @@ def _middle_miss() -> Dict[str, Any]:
 def notebook_workloads() -> List[Dict[str, Any]]:
     """The notebook's own scenarios, with prefix caching on (block size 4)."""
     return [
-        _wl("07 section 2: a shared system prompt", dict(block_size=4, num_usable_blocks=16, max_model_len=64),
+        _wl(N_("07 section 2: a shared system prompt"), dict(block_size=4, num_usable_blocks=16, max_model_len=64),
             [("A", 13, 6, 0), ("B", 12, 6, 1), ("C", 14, 6, 1)], shared_prefix=10,
             shows="B and C take A's two full blocks of the 10 shared tokens"),
-        _wl("07 section 5a: a fully cached prompt of two blocks", dict(block_size=4, num_usable_blocks=16,
+        _wl(N_("07 section 5a: a fully cached prompt of two blocks"), dict(block_size=4, num_usable_blocks=16,
                                                                         max_model_len=64),
             [("first", 8, 4, 0), ("second", 8, 4, 6), ("third", 12, 2, 12)], shared_prefix=8,
             shows="the second run of the same 8 tokens recomputes its last block"),
-        _wl("07 section 5d: thrashing, with caching", dict(block_size=4, num_usable_blocks=12),
+        _wl(N_("07 section 5d: thrashing, with caching"), dict(block_size=4, num_usable_blocks=12),
             [("A", 4, 30), ("B", 4, 8), ("C", 4, 12), ("D", 4, 16), ("E", 4, 20)],
             shows="preempted requests resume from their own cached blocks"),
     ]
@@ -129,12 +129,12 @@ def hidden_workloads() -> List[Dict[str, Any]]:
     of 16-token prompts, preemption with a shared prefix, and random shared-prefix workloads."""
     return [
         _middle_miss(),
-        _wl("skip_reading_prefix_cache (hidden)", dict(block_size=4, num_usable_blocks=24),
+        _wl(N_("skip_reading_prefix_cache (hidden)"), dict(block_size=4, num_usable_blocks=24),
             [("A", 14, 3, 0), ("B", 14, 3, 2), ("C", 15, 3, 2), ("D", 9, 2, 5)], shared_prefix=12,
             skip_reading=["B", "D"]),
-        _wl("full hits of 16 tokens (hidden)", dict(block_size=4, num_usable_blocks=24),
+        _wl(N_("full hits of 16 tokens (hidden)"), dict(block_size=4, num_usable_blocks=24),
             [("A", 16, 2, 0), ("B", 16, 2, 3), ("C", 16, 1, 3), ("D", 17, 2, 6), ("E", 15, 2, 6)], shared_prefix=16),
-        _wl("preemption with a shared prefix (hidden)", dict(block_size=4, num_usable_blocks=11,
+        _wl(N_("preemption with a shared prefix (hidden)"), dict(block_size=4, num_usable_blocks=11,
                                                              max_num_batched_tokens=16),
             [("A", 10, 14), ("B", 10, 12), ("C", 9, 16, 1), ("D", 13, 10, 2)], shared_prefix=8),
     ] + compare.random_workloads(707, 6, prefix_caching=True)

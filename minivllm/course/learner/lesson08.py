@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
 from minivllm.course.exercises._harness import ljust
+from minivllm.course.learner.compare import display_name
 from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
 from minivllm.i18n import N_, _
 
@@ -54,12 +55,12 @@ B_PROMPT = list(range(100, 112))
 #: Notebook 08's scenarios (section 7): ``prefill`` runs first with an ``OffloadConnector`` to fill the store the
 #: checked connector starts with; then ``prompts`` run with the checked connector (and, apart, the reference).
 SCENARIOS: List[Dict[str, Any]] = [
-    dict(name="1: B shares two blocks with a saved prompt", block_size=16,
+    dict(name=N_("1: B shares two blocks with a saved prompt"), block_size=16,
          prefill=({"A": PROMPT}, 10), prompts={"B": PROMPT, "C": [7] * 20}, max_tokens=10, engine={}),
-    dict(name="2: B waits for blocks (8 blocks of 4)", block_size=4,
+    dict(name=N_("2: B waits for blocks (8 blocks of 4)"), block_size=4,
          prefill=({"B": B_PROMPT}, 16), prompts={"A": list(range(1, 25)), "B": B_PROMPT}, max_tokens=4,
          engine=dict(num_gpu_blocks=8)),
-    dict(name="3: C is preempted twice (10 blocks of 4)", block_size=4, prefill=None,
+    dict(name=N_("3: C is preempted twice (10 blocks of 4)"), block_size=4, prefill=None,
          prompts={r: list(range(20 * i + 1, 20 * i + 13)) for i, r in enumerate("ABC")}, max_tokens=16,
          engine=dict(num_gpu_blocks=10)),
 ]
@@ -69,14 +70,14 @@ _P = list(range(400, 440))
 #: prefix in the same step, preemption without the local prefix cache (every resumption loads from the store),
 #: and a request with a match that waits for blocks behind another one.
 HIDDEN: List[Dict[str, Any]] = [
-    dict(name="hidden 1: two loads of one stored prefix, chunked prefill (budget 16, blocks of 8)", block_size=8,
+    dict(name=N_("hidden 1: two loads of one stored prefix, chunked prefill (budget 16, blocks of 8)"), block_size=8,
          prefill=({"P": _P}, 6), prompts={"X": _P[:32] + [9, 8, 7], "Y": _P[:20] + [3] * 6, "Z": list(range(60, 85))},
          max_tokens=6, engine=dict(max_num_batched_tokens=16)),
-    dict(name="hidden 2: preemptions without prefix caching (12 blocks of 4)", block_size=4,
+    dict(name=N_("hidden 2: preemptions without prefix caching (12 blocks of 4)"), block_size=4,
          prefill=({"P": _P[:20]}, 8), prompts={"A": _P[:16] + [1, 2], "B": list(range(200, 214)),
                                              "C": _P[:12] + [5, 5, 5]},
          max_tokens=14, engine=dict(num_gpu_blocks=12, enable_prefix_caching=False)),
-    dict(name="hidden 3: a match that waits behind a long prompt (9 blocks of 4)", block_size=4,
+    dict(name=N_("hidden 3: a match that waits behind a long prompt (9 blocks of 4)"), block_size=4,
          prefill=({"Q": list(range(300, 320))}, 4),
          prompts={"L": list(range(1, 29)), "M": list(range(300, 316)) + [4, 4]}, max_tokens=5,
          engine=dict(num_gpu_blocks=9)),
@@ -395,7 +396,8 @@ def _run_learner(cls: type, sc: Dict[str, Any], ref: Dict[str, Any]) -> Tuple[An
             "fixed_connector: your {name} called OffloadConnector.{method} (the package's working connector) while it "
             "ran, in scenario {scenario}: that borrows the fix instead of writing it. Write {methods} on "
             "OffloadConnectorBase's helpers (self.matched_blocks, super().update_state_after_alloc, "
-            "super().build_connector_meta).").format(name=name, method=e, scenario=repr(sc["name"]),
+            "super().build_connector_meta).").format(name=name, method=e,
+                                                     scenario=repr(display_name(sc["name"])),
                                                      methods=", ".join(LOAD_METHODS))) from None
     except NotImplementedError:
         raise NotWritten(not_written_message(name)) from None
@@ -411,7 +413,7 @@ def _run_learner(cls: type, sc: Dict[str, Any], ref: Dict[str, Any]) -> Tuple[An
                                "(never made in this step, or already cleared or popped)").format(key=e)
         raise PartFailed(_("fixed_connector: your {name} raised {error}: {message}").format(
             name=name, error=type(e).__name__, message=e) + "\n"
-            + _("  in scenario {scenario}, step {step}").format(scenario=repr(sc["name"]), step=step)
+            + _("  in scenario {scenario}, step {step}").format(scenario=repr(display_name(sc["name"])), step=step)
             + f"{_learner_line(e.__traceback__, cls)}{explain}{_reached_note(reached)}") from None
     if borrowed:  # raised inside, and swallowed by the learner's code
         raise PartFailed(_("fixed_connector: your {name} called OffloadConnector.{method} (the package's working "
@@ -440,7 +442,7 @@ def _raise_difference(sc: Dict[str, Any], expected: List[Dict[str, Any]], got: L
     else:
         first = _("first difference: step {step}, field {field}").format(step=k, field=f)
     raise PartFailed(
-        _("on scenario {scenario}").format(scenario=repr(sc["name"])) + "\n" + first + "\n"
+        _("on scenario {scenario}").format(scenario=repr(display_name(sc["name"]))) + "\n" + first + "\n"
         + _("    expected: {value}").format(value=json.dumps(a)) + "\n"
         + _("    yours:    {value}").format(value=json.dumps(b)) + "\n"
         + _("  what it means: {meaning}").format(meaning=_why(f, rid, k, expected, got))
@@ -462,7 +464,7 @@ def check_fixed_connector(cls: Any, hidden: bool = True) -> int:
         ref = _reference(sc)
         conn, (eng, reached), out = _run_learner(cls, sc, ref)
         _raise_difference(sc, ref["steps"], step_records(eng), reached)
-        head = _("on scenario {scenario}").format(scenario=repr(sc["name"]))
+        head = _("on scenario {scenario}").format(scenario=repr(display_name(sc["name"])))
         loads = dict(conn.stats.num_loads)
         if loads != ref["loads"]:
             raise PartFailed(f"{head}\n" + _("the worker's loads per request differ: expected {expected}, yours "

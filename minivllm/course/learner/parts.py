@@ -148,7 +148,7 @@ def check(name: str, obj: Any, hidden: bool = True) -> Optional[bool]:
     part = get(name)
     status, msg = run_check(part, obj, hidden)
     if status == "passed":
-        print(f"✓ {name} ({part.symbol}): {msg}")
+        print(_("✓ {name} ({symbol}): {message}").format(name=name, symbol=part.symbol, message=msg))
         return True
     if status == "blank":
         print(_("{name}: not written yet ({why}). Fill in {symbol}, run its cell, then run this cell again.").format(

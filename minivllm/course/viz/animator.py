@@ -26,7 +26,7 @@ from minivllm.course.viz.frame import FRAME_CSS, NEXT_LABELS, render_frame_html
 from minivllm.i18n import N_, _
 
 _BUTTON_TOOLTIPS = {"preemption": N_("jump to the next step with a preemption"),
-                    "admission": N_("jump to the next step with a admission"),
+                    "admission": N_("jump to the next step with an admission"),
                     "finish": N_("jump to the next step with a finish")}
 _NONE = "(none)"
 """The menu's value for "no block table" (its label is shown through ``_``)."""

@@ -46,7 +46,8 @@ def connector_lanes(trace: SchedulerTrace) -> List[List[Cell]]:
 
     Labels: ``get_num_new_matched_tokens`` ``"+N"`` (the store offers N tokens beyond the local hit; ``"+N async"``
     for an asynchronous load); ``update_state_after_alloc`` ``"ext N"``; the metadata's loads and saves, and the
-    worker's, ``"N blk"`` (blocks); ``request_finished`` and ``get_finished`` (loads reported done) ``""``.
+    worker's, ``"N blk"`` (blocks); ``request_finished`` ``""``; ``get_finished`` (loads reported done)
+    ``"loaded"``. The labels are in the current language.
 
     Raises:
         ValueError: an empty trace, or a trace recorded without a ``RecordingConnector`` (no step has calls).
@@ -69,34 +70,34 @@ def connector_lanes(trace: SchedulerTrace) -> List[List[Cell]]:
             c = d["call"]
             if c == "get_num_new_matched_tokens":
                 n, is_async = d["result"]
-                put(0, d["req_id"], f"+{n}" + (" async" if is_async and n else ""))
+                put(0, d["req_id"], _("+{n} async").format(n=n) if is_async and n else f"+{n}")
             elif c == "update_state_after_alloc":
-                put(1, d["req_id"], f"ext {d['num_external_tokens']}")
+                put(1, d["req_id"], _("ext {n}").format(n=d["num_external_tokens"]))
             elif c == "build_connector_meta":
                 meta = d["meta"]
                 put(2)
                 put(3)
                 for key in ("load", "load_async"):
                     for rid, n in meta.get(key, {}).items():
-                        put(2, rid, f"{n} blk" + (" async" if key == "load_async" else ""))
+                        put(2, rid, (_("{n} blk async") if key == "load_async" else _("{n} blk")).format(n=n))
                 for rid, n in meta.get("save", {}).items():
-                    put(3, rid, f"{n} blk")
+                    put(3, rid, _("{n} blk").format(n=n))
             elif c == "request_finished":
                 put(4, d["req_id"])
             elif c == "start_load_kv":
                 put(5)
                 for key in ("load", "load_async"):
                     for rid, n in meta.get(key, {}).items():
-                        put(5, rid, f"{n} blk")
+                        put(5, rid, _("{n} blk").format(n=n))
             elif c in ("save_kv_layer", "wait_for_save"):
                 if lanes[6][k] is None:
                     put(6)
                     for rid, n in meta.get("save", {}).items():
-                        put(6, rid, f"{n} blk")
+                        put(6, rid, _("{n} blk").format(n=n))
             elif c == "get_finished":
                 put(7)
                 for rid in d["finished_recving"]:
-                    put(7, rid, "loaded")
+                    put(7, rid, _("loaded"))
     return lanes
 
 

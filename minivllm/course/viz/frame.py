@@ -225,12 +225,14 @@ def _events(s: StepRecord) -> str:
         return " ".join(escape(x) for x in xs) or "&ndash;"
 
     finished = " ".join(f"{escape(r)} ({escape(str(why))})" for r, why in s.finished.items()) or "&ndash;"
-    new, resumed, preempted, done = _("new"), _("resumed"), _("preempted"), _("finished")
+    # "{label}:" is a msgid of its own: Chinese puts a full-width colon after the label.
+    labels = (_("new"), _("resumed"), _("preempted"), _("finished"))
+    new, resumed, preempted, done = (_("{label}:").format(label=x) for x in labels)
     return (
-        f'<div class="mv-events">{new}: <span data-event="new">{ids(s.new)}</span> &middot; '
-        f'{resumed}: <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
-        f'{preempted}: <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
-        f'{done}: <span data-event="finished">{finished}</span></div>'
+        f'<div class="mv-events">{new} <span data-event="new">{ids(s.new)}</span> &middot; '
+        f'{resumed} <span data-event="resumed">{ids(s.resumed)}</span> &middot; '
+        f'{preempted} <span data-event="preempted" class="mv-ev-preempted">{ids(s.preempted)}</span> &middot; '
+        f'{done} <span data-event="finished">{finished}</span></div>'
     )
 
 

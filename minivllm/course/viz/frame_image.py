@@ -109,7 +109,7 @@ def draw_frame(
         if len(what) * 0.085 < _W - x - 0.2:
             ax.text(x + 0.12, y - 0.15, what, fontsize=7.5, va="center", color="#444")
     y -= 0.55
-    ev = [f"{_(name)}: {' '.join(ids) or '-'}" for name, ids in
+    ev = [_("{label}:").format(label=_(name)) + f" {' '.join(ids) or '-'}" for name, ids in
           (("new", s.new), ("resumed", s.resumed), ("preempted", s.preempted), ("finished", list(s.finished)))]
     ax.text(0, y, "    ".join(ev), fontsize=8.5, va="top")
     y -= 0.55
