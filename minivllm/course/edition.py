@@ -49,12 +49,11 @@ LANGUAGE_CELL_ID = "zh-cn-language"
 # titles and labels through _()) are not drawn by a course function that would add the CJK font first, so their
 # Chinese would otherwise draw as empty boxes.
 LANGUAGE_CELL_SOURCE = (
-    "# 中文版：本课程包自己的输出（检查器的判定与提示、动画、图表、表格）也用中文。\n"
+    "# 中文版：本课程包自己的输出（检查器的判定与提示、动画、图表、表格）也用中文；\n"
+    "# 图里的中文（也包括 notebook 自己画的标题、坐标轴和图例）用 Noto Sans CJK SC 显示。\n"
     "from minivllm.course import set_language\n"
-    "from minivllm.course.viz.fonts import use_language_font\n"
     "\n"
-    'set_language("zh_CN")\n'
-    "use_language_font()  # 图里的中文（也包括 notebook 自己画的标题、坐标轴和图例）用 Noto Sans CJK SC 显示"
+    'set_language("zh_CN")'
 )
 # Cells of the English edition written in Chinese for its readers; the Chinese edition leaves them out.
 LEFT_OUT = re.compile(r"^## (中文导读|中文小结)\s*\n")
