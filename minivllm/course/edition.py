@@ -302,7 +302,7 @@ def _edition_note(english: Path, target: Path, root: Path) -> str:
 
 
 def build_notebook(english: Path, root: Path = NOTEBOOKS_DIR, keep_outputs: Optional[dict] = None,
-                   allow_missing: bool = False) -> dict:
+                   allow_missing: bool = False, widgets: Optional[dict] = None) -> dict:
     """The Chinese edition of ``english`` as an nbformat dict. Raises ``KeyError`` naming the first cell without
     a finished translation unless ``allow_missing`` (then that cell stays English)."""
     nb = _load(english)
@@ -336,7 +336,12 @@ def build_notebook(english: Path, root: Path = NOTEBOOKS_DIR, keep_outputs: Opti
             cells.append(lang)
     _slide_types(cells, english.stem)
     nb["cells"] = cells
-    nb.setdefault("metadata", {})["minivllm"] = {
+    # The widgets' state belongs to the run whose outputs the notebook stores: the Chinese edition's own run (its
+    # labels are Chinese, its model ids are the ones its outputs reference), never the English notebook's.
+    nb.setdefault("metadata", {}).pop("widgets", None)
+    if widgets:
+        nb["metadata"]["widgets"] = widgets
+    nb["metadata"]["minivllm"] = {
         "edition": LOCALE, "english": os.path.relpath(english.resolve(), target.parent.resolve()).replace(os.sep, "/")}
     return nb
 
@@ -360,8 +365,13 @@ def _stored_outputs(path: Path) -> dict:
             for c in _load(path)["cells"] if c["cell_type"] == "code"}
 
 
+def _stored_widgets(path: Path) -> Optional[dict]:
+    return _load(path).get("metadata", {}).get("widgets") if path.exists() else None
+
+
 def _without_outputs(nb: dict) -> dict:
     nb = copy.deepcopy(nb)
+    nb.get("metadata", {}).pop("widgets", None)
     for c in nb["cells"]:
         if c["cell_type"] == "code":
             c["outputs"], c["execution_count"] = [], None
@@ -374,7 +384,7 @@ def build(root: Path = NOTEBOOKS_DIR, notebooks: Optional[Iterable[Path]] = None
     written = []
     for english in notebooks or english_notebooks(root):
         target = edition_path(english, root)
-        nb = build_notebook(english, root, _stored_outputs(target), allow_missing)
+        nb = build_notebook(english, root, _stored_outputs(target), allow_missing, _stored_widgets(target))
         text = _dump(nb)
         if not target.exists() or target.read_text(encoding="utf-8") != text:
             target.parent.mkdir(parents=True, exist_ok=True)

@@ -182,3 +182,32 @@ def test_grading_the_chinese_edition_answers_in_chinese(capsys, monkeypatch):
         assert "blank" in capsys.readouterr().out
     finally:
         i18n.set_language("en")
+
+
+@pytest.mark.parametrize("english", edition.english_notebooks(), ids=lambda p: edition.relative(p).as_posix())
+def test_the_chinese_widgets_are_the_chinese_runs_own(english):
+    """Every widget view a Chinese notebook's outputs show has its model in that notebook's saved widget state (the
+    state of its own, Chinese, run: the English notebook's state has other model ids and English labels)."""
+    zh = json.loads(edition.edition_path(english).read_text(encoding="utf-8"))
+    state = zh.get("metadata", {}).get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {}).get(
+        "state", {})
+    views = [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for c in zh["cells"]
+             if c["cell_type"] == "code" for o in c.get("outputs", [])
+             if "application/vnd.jupyter.widget-view+json" in o.get("data", {})]
+    assert [v for v in views if v not in state] == []
+    if views:
+        labels = json.dumps(state, ensure_ascii=False)
+        assert CJK.search(labels), "the saved widget state has no Chinese"
+
+
+PERMALINK = re.compile(r"https://github\.com/vllm-project/vllm/(?:blob|tree)/v0\.3[23]\.0/[^)\s\"'>]+")
+
+
+@pytest.mark.parametrize("english", edition.english_notebooks(), ids=lambda p: edition.relative(p).as_posix())
+def test_the_chinese_cells_link_the_vllm_lines_their_english_cells_link(english):
+    """The permalink check (tests/course/test_vllm_recordings_course.py) reads the English notebooks; a Chinese cell
+    may only link vLLM lines that its English cell links, so the check covers it too."""
+    en = {c["id"]: set(PERMALINK.findall(_src(c))) for c in _cells(english)}
+    for c in _cells(edition.edition_path(english)):
+        extra = set(PERMALINK.findall(_src(c))) - en.get(c["id"], set())
+        assert not extra, f"cell {c['id']} links vLLM lines its English cell does not: {sorted(extra)}"
