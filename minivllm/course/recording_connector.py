@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from minivllm.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
+from minivllm.i18n import N_
 
 if TYPE_CHECKING:
     import torch
@@ -22,6 +23,23 @@ if TYPE_CHECKING:
 SCHEDULER_CALLS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta", "request_finished")
 WORKER_CALLS = ("bind_connector_metadata", "start_load_kv", "save_kv_layer", "wait_for_save", "get_finished",
                 "clear_connector_metadata")
+
+
+# What each call is for, as notebook 08's table shows it: the first sentence of its KVConnectorBase docstring (the
+# notebook reads the docstring; tests/course/test_i18n.py checks these are the same). Marked for the catalog, so
+# that the Chinese edition shows the table in Chinese.
+CALL_PURPOSE = {
+    "get_num_new_matched_tokens": N_("How many prompt tokens *beyond* `num_computed_tokens` (the local prefix-cache hit) the external store can supply, and whether they are loaded asynchronously"),
+    "update_state_after_alloc": N_("Blocks for `request` were allocated: `blocks` is its whole block table"),
+    "build_connector_meta": N_("Once per `schedule()`: package this step's loads and saves and *reset the per-step state*"),
+    "request_finished": N_("A request finished; its blocks are freed right after"),
+    "bind_connector_metadata": N_("Before the step runs: hand this step's metadata (from `build_connector_meta`) to the worker side"),
+    "start_load_kv": N_("Before the forward pass: copy this step's external KV into the paged cache"),
+    "save_kv_layer": N_("After layer `layer_idx` wrote this step's K/V into `kv_cache`: save what the metadata asks for"),
+    "wait_for_save": N_("Block until every save of this step is done (the blocks may be reused next step)"),
+    "get_finished": N_("`(finished_sending, finished_recving)` request ids since the last call (async transfers).  `finished_recving` may name only requests in `WAITING_FOR_REMOTE_KVS` (or already finished ones); `finished_sending` only finished ones"),
+    "clear_connector_metadata": N_("After the step: forget this step's metadata, so nothing acts on it twice"),
+}
 
 
 def _describe(meta: Any) -> Dict[str, Any]:

@@ -206,3 +206,21 @@ def test_step_profile_categories_are_keys_in_english_and_shown_in_chinese(englis
     assert "注意力：KV 收集（gather）" in chinese.by_category and "Python + 分派（没有算子在运行）" in chinese.by_category
     assert len(chinese.by_category) == len(english.by_category)
     assert OVERHEAD == "Python + dispatch (no operator running)"  # the constant stays the English key
+
+
+def test_the_connector_call_purposes_are_the_docstrings_notebook_08_shows():
+    """Notebook 08 tabulates each KV connector call with the first sentence of its KVConnectorBase docstring, through
+    ``_()``; ``CALL_PURPOSE`` holds the same sentences for the catalog, so a changed docstring must change it too."""
+    import inspect
+
+    from minivllm.course.recording_connector import CALL_PURPOSE, SCHEDULER_CALLS, WORKER_CALLS
+    from minivllm.distributed.kv_transfer.base import KVConnectorBase
+
+    for name in SCHEDULER_CALLS + WORKER_CALLS:
+        doc = inspect.getdoc(getattr(KVConnectorBase, name)) or ""
+        assert CALL_PURPOSE[name] == doc.split(". ")[0].replace("\n", " ").replace("``", "`").rstrip("."), name
+    try:
+        i18n.set_language("zh_CN")
+        assert all(re.search(r"[\u4e00-\u9fff]", i18n._(CALL_PURPOSE[n])) for n in CALL_PURPOSE)
+    finally:
+        i18n.set_language("en")
