@@ -222,7 +222,11 @@ def test_every_figure_in_images_is_used():
     texts += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "notebooks").glob("*.ipynb"))]
     texts += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "notebooks").glob("*.md"))]
     used = set(re.findall(r"[\w.-]+\.(?:png|svg|jpg)", "\n".join(texts)))
-    images = sorted(p.name for p in (ROOT / "images").iterdir())
+    images = sorted(p.name for p in (ROOT / "images").iterdir() if p.is_file())
     assert images and [n for n in images if n not in used] == []
+    # images/zh-CN/ holds Chinese versions of these (the Chinese edition shows them instead), nothing else
+    zh = ROOT / "images" / figures.ZH_SUBDIR
+    assert sorted(p.name for p in (ROOT / "images").iterdir() if not p.is_file()) == [figures.ZH_SUBDIR]
+    assert [p.name for p in zh.iterdir() if p.name not in images] == []
     # and every registered figure is in images/
     assert set(figures.load_all()) <= set(images)
