@@ -13,9 +13,11 @@ In English nothing is changed: the English figures are drawn with exactly today'
 
 from __future__ import annotations
 
+import atexit
 import functools
 import importlib.util
 import logging
+import shutil
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -107,12 +109,14 @@ def fontconfig_file() -> Path:
     ``"DejaVu Sans,Noto Sans CJK SC"`` draws its Latin letters in DejaVu Sans and its Chinese characters in Noto.
     The file includes the system's ``/etc/fonts/fonts.conf`` and adds a folder holding only a link to
     ``mplfonts``' font file (the package's folder has other CJK fonts, which fontconfig could otherwise pick), with
-    fontconfig's cache in the same temporary folder (made once per process; the user's cache is left alone).
+    fontconfig's cache in the same temporary folder (made once per process and removed when it exits; the user's
+    cache is left alone).
 
     Raises as :func:`cjk_font_path` when ``mplfonts`` is missing.
     """
     font = cjk_font_path()
     root = Path(tempfile.mkdtemp(prefix="minivllm-fontconfig-"))
+    atexit.register(shutil.rmtree, root, True)  # ignore_errors: the folder is ours alone, gone or not
     (root / "fonts").mkdir()
     (root / "fonts" / FONT_FILE).symlink_to(font)
     conf = root / "fonts.conf"
