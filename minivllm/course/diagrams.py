@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import inspect
 import json
+import os
 import shutil
 import textwrap
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from minivllm.course.figures import register
+from minivllm.i18n import N_, _, is_chinese
 
 # The folder that holds the minivllm package: the checkout, or site-packages in an install (the diagrams read
 # only the package's own source, so both give the same pictures).
@@ -160,49 +162,49 @@ def schedule_flowchart_steps() -> List[FlowStep]:
     if not budget:
         raise LookupError("Scheduler._schedule_waiting: the waiting loop no longer subtracts from token_budget")
     steps = [
-        FlowStep("running", "_schedule_running: each running request\nin order, while budget is left; n = min("
-                 "tokens\nleft, long_prefill_token_threshold, budget)", line("_schedule_running", running)),
-        FlowStep("allocate", "kv_cache_manager.allocate_slots(request, n)\nblocks free?",
+        FlowStep("running", _("_schedule_running: each running request\nin order, while budget is left; n = min("
+                 "tokens\nleft, long_prefill_token_threshold, budget)"), line("_schedule_running", running)),
+        FlowStep("allocate", _("kv_cache_manager.allocate_slots(request, n)\nblocks free?"),
                  line("_allocate_slots_or_preempt", first_call("_allocate_slots_or_preempt", "allocate_slots")),
                  "decision"),
-        FlowStep("preempt", "victim = _pick_victim(); _preempt_request(victim)\nits blocks freed, "
-                 "num_computed_tokens = 0,\nstatus PREEMPTED, front of the waiting queue",
+        FlowStep("preempt", _("victim = _pick_victim(); _preempt_request(victim)\nits blocks freed, "
+                 "num_computed_tokens = 0,\nstatus PREEMPTED, front of the waiting queue"),
                  line("_allocate_slots_or_preempt", first_call("_allocate_slots_or_preempt", "_preempt_request"))),
-        FlowStep("scheduled", "running_scheduled.append(request)\nschedule n tokens, budget -= n",
+        FlowStep("scheduled", _("running_scheduled.append(request)\nschedule n tokens, budget -= n"),
                  line("_schedule_running", first_call("_schedule_running", "append", on="running_scheduled",
                                                       node=running))),
-        FlowStep("gate", "_admission_gate_open:\nnot preempted_reqs? (nobody\npreempted in this step)",
+        FlowStep("gate", _("_admission_gate_open:\nnot preempted_reqs? (nobody\npreempted in this step)"),
                  line("_admission_gate_open", gate[0]), "decision"),
-        FlowStep("waiting", "_schedule_waiting: the queue head (a new\nor a preempted request), while budget "
-                 "and\nmax_num_seqs allow", line("_schedule_waiting", waiting)),
-        FlowStep("lookup", "num_computed_tokens == 0?\n(new, or preempted: reset to 0)",
+        FlowStep("waiting", _("_schedule_waiting: the queue head (a new\nor a preempted request), while budget "
+                 "and\nmax_num_seqs allow"), line("_schedule_waiting", waiting)),
+        FlowStep("lookup", _("num_computed_tokens == 0?\n(new, or preempted: reset to 0)"),
                  line("_schedule_waiting", lookup), "decision"),
-        FlowStep("prefix", "_prefix_cache_lookup: kv_cache_manager.\nget_computed_blocks(request): prefix-cache\n"
-                 "hits, its full blocks still cached",
+        FlowStep("prefix", _("_prefix_cache_lookup: kv_cache_manager.\nget_computed_blocks(request): prefix-cache\n"
+                 "hits, its full blocks still cached"),
                  line("_prefix_cache_lookup", first_call("_prefix_cache_lookup", "get_computed_blocks"))),
-        FlowStep("match", "connector.get_num_new_matched_tokens(\nrequest, n_local): tokens it can load",
+        FlowStep("match", _("connector.get_num_new_matched_tokens(\nrequest, n_local): tokens it can load"),
                  line("_prefix_cache_lookup", first_call("_prefix_cache_lookup", "get_num_new_matched_tokens"))),
-        FlowStep("full_isl", "full_sequence_must_fit =\ncfg.scheduler_reserve_full_isl?",
+        FlowStep("full_isl", _("full_sequence_must_fit =\ncfg.scheduler_reserve_full_isl?"),
                  line("_schedule_waiting", full_isl.value), "decision"),
-        FlowStep("admit", "kv_cache_manager.allocate_slots(\nrequest, n, ...)\nblocks free?",
+        FlowStep("admit", _("kv_cache_manager.allocate_slots(\nrequest, n, ...)\nblocks free?"),
                  line("_schedule_waiting", admit), "decision"),
-        FlowStep("after_alloc", "connector.update_state_after_alloc(...)\npop from waiting, append to running\n"
-                 "(an async load: WAITING_FOR_REMOTE_KVS, next)",
+        FlowStep("after_alloc", _("connector.update_state_after_alloc(...)\npop from waiting, append to running\n"
+                 "(an async load: WAITING_FOR_REMOTE_KVS, next)"),
                  line("_schedule_waiting", first_call("_schedule_waiting", "update_state_after_alloc", node=waiting))),
-        FlowStep("was_preempted", "request.status ==\nPREEMPTED?", line("_schedule_waiting", was_preempted),
+        FlowStep("was_preempted", _("request.status ==\nPREEMPTED?"), line("_schedule_waiting", was_preempted),
                  "decision"),
-        FlowStep("resumed", "resumed_reqs.append(request)\nresumed: all its tokens prefilled again",
+        FlowStep("resumed", _("resumed_reqs.append(request)\nresumed: all its tokens prefilled again"),
                  line("_schedule_waiting", first_call("_schedule_waiting", "append", on="resumed_reqs", node=waiting))),
-        FlowStep("new", "new_reqs.append(request)",
+        FlowStep("new", _("new_reqs.append(request)"),
                  line("_schedule_waiting", first_call("_schedule_waiting", "append", on="new_reqs", node=waiting))),
-        FlowStep("admitted", "status = RUNNING, schedule n tokens,\nbudget -= n; then the next waiting request",
+        FlowStep("admitted", _("status = RUNNING, schedule n tokens,\nbudget -= n; then the next waiting request"),
                  line("_schedule_waiting", budget[-1])),
-        FlowStep("output", "_build_scheduler_output: SchedulerOutput(new,\ncached (resumed_req_ids), "
-                 "num_scheduled_tokens,\npreempted_req_ids, finished_req_ids)",
+        FlowStep("output", _("_build_scheduler_output: SchedulerOutput(new,\ncached (resumed_req_ids), "
+                 "num_scheduled_tokens,\npreempted_req_ids, finished_req_ids)"),
                  line("_build_scheduler_output", first_call("_build_scheduler_output", "SchedulerOutput")), "io"),
-        FlowStep("meta", "connector.build_connector_meta(output)\nonce per call, even with nothing scheduled",
+        FlowStep("meta", _("connector.build_connector_meta(output)\nonce per call, even with nothing scheduled"),
                  line("schedule", first_call("schedule", "build_connector_meta")), "io"),
-        FlowStep("advance", "_update_after_schedule(output)\nnum_computed_tokens += scheduled",
+        FlowStep("advance", _("_update_after_schedule(output)\nnum_computed_tokens += scheduled"),
                  line("schedule", first_call("schedule", "_update_after_schedule"))),
     ]
     lines = [s.line for s in steps]
@@ -213,48 +215,52 @@ def schedule_flowchart_steps() -> List[FlowStep]:
 # (tail, head, label, extra attributes): the flowchart's arrows between the boxes above
 _FLOW_EDGES: List[Tuple[str, str, str, Dict[str, str]]] = [
     ("running", "allocate", "", {}),
-    ("allocate", "scheduled", "yes", {}),
-    ("allocate", "preempt", "no", {}),
-    ("preempt", "allocate", "retry, until it fits or\nthe request preempted itself", {}),
-    ("scheduled", "running", "next running request", {}),
-    ("running", "gate", "no running request left,\nor budget spent", {}),
-    ("preempt", "gate", "it preempted itself:\nstop the running loop", {}),
-    ("gate", "waiting", "yes", {}),
-    ("gate", "output", "no: a preemption in\nthis step, no admissions", {}),
+    ("allocate", "scheduled", N_("yes"), {}),
+    ("allocate", "preempt", N_("no"), {}),
+    ("preempt", "allocate", N_("retry, until it fits or\nthe request preempted itself"), {}),
+    ("scheduled", "running", N_("next running request"), {}),
+    ("running", "gate", N_("no running request left,\nor budget spent"), {}),
+    ("preempt", "gate", N_("it preempted itself:\nstop the running loop"), {}),
+    ("gate", "waiting", N_("yes"), {}),
+    ("gate", "output", N_("no: a preemption in\nthis step, no admissions"), {}),
     ("waiting", "lookup", "", {}),
-    ("waiting", "output", "queue empty, budget or\nmax_num_seqs spent", {}),
-    ("lookup", "prefix", "yes", {}),
-    ("lookup", "full_isl", "no: its KV came from an\nasync connector load", {}),
+    ("waiting", "output", N_("queue empty, budget or\nmax_num_seqs spent"), {}),
+    ("lookup", "prefix", N_("yes"), {}),
+    ("lookup", "full_isl", N_("no: its KV came from an\nasync connector load"), {}),
     ("prefix", "match", "", {}),
     ("match", "full_isl", "", {}),
-    ("full_isl", "admit", "True (default): blocks for the\nwhole sequence, prompt included", {}),
-    ("full_isl", "admit", "False: blocks for\nthis chunk only", {}),
-    ("admit", "after_alloc", "yes", {}),
-    ("admit", "output", "no: stop (waiting requests\nnever preempt; nothing overtakes)", {}),
+    ("full_isl", "admit", N_("True (default): blocks for the\nwhole sequence, prompt included"), {}),
+    ("full_isl", "admit", N_("False: blocks for\nthis chunk only"), {}),
+    ("admit", "after_alloc", N_("yes"), {}),
+    ("admit", "output", N_("no: stop (waiting requests\nnever preempt; nothing overtakes)"), {}),
     ("after_alloc", "was_preempted", "", {}),
-    ("was_preempted", "resumed", "yes", {}),
-    ("was_preempted", "new", "no", {}),
+    ("was_preempted", "resumed", N_("yes"), {}),
+    ("was_preempted", "new", N_("no"), {}),
     ("resumed", "admitted", "", {}),
     ("new", "admitted", "", {}),
     ("admitted", "waiting", "", {}),  # its box says "then the next waiting request" (a label here lies across the frame)
     ("output", "meta", "", {}),
     ("meta", "advance", "", {}),
-    ("preempt", "waiting", "a later step: resumed from\nthe front of the waiting queue",
+    ("preempt", "waiting", N_("a later step: resumed from\nthe front of the waiting queue"),
      {"style": "dashed", "color": "#a05050", "fontcolor": "#a05050", "constraint": "false"}),
 ]
 
 # which boxes each part of schedule() holds (a Graphviz cluster each; the others, the gate, lie between them)
 _FLOW_PARTS = [
-    ("1. running requests (_schedule_running)", ["running", "allocate", "preempt", "scheduled"]),
-    ("2. waiting requests (_schedule_waiting), only in a step that preempted nobody",
+    (N_("1. running requests (_schedule_running)"), ["running", "allocate", "preempt", "scheduled"]),
+    (N_("2. waiting requests (_schedule_waiting), only in a step that preempted nobody"),
      ["waiting", "lookup", "prefix", "match", "full_isl", "admit", "after_alloc", "was_preempted", "resumed", "new",
       "admitted"]),
-    ("3. the output (_build_scheduler_output, then schedule())", ["output", "meta", "advance"]),
+    (N_("3. the output (_build_scheduler_output, then schedule())"), ["output", "meta", "advance"]),
 ]
 
 
 # ---- Graphviz: style, layout check, rendering --------------------------------------------------------------------
 FONT = "DejaVu Sans"
+FONT_ZH = "DejaVu Sans,Noto Sans CJK SC"
+"""The font family list under ``set_language("zh_CN")``: Pango draws each glyph from the first family that has it,
+so code names keep the English pictures' DejaVu Sans and only the Chinese characters come from Noto Sans CJK SC
+(made findable by ``_pipe``, see ``minivllm.course.viz.fonts.fontconfig_file``)."""
 _FILL = {"process": "#e8eef7", "decision": "#fff1d6", "io": "#e6f4ea", "state": "#e8eef7", "final": "#f3e3e3",
          "orphan": "#eeeeee"}
 _DPI = 100
@@ -264,12 +270,13 @@ def _digraph(title: str, **graph_attr: str):
     """A ``graphviz.Digraph`` in the course's style, titled ``title`` at the top."""
     import graphviz
 
-    g = graphviz.Digraph(graph_attr={"label": title, "labelloc": "t", "fontname": FONT, "fontsize": "13",
+    font = FONT_ZH if is_chinese() else FONT
+    g = graphviz.Digraph(graph_attr={"label": title, "labelloc": "t", "fontname": font, "fontsize": "13",
                                      "dpi": str(_DPI), "pad": "0.2", "nodesep": "0.35", "ranksep": "0.45",
                                      "newrank": "true", **graph_attr},
-                         node_attr={"fontname": FONT, "fontsize": "10", "style": "filled", "color": "#555555",
+                         node_attr={"fontname": font, "fontsize": "10", "style": "filled", "color": "#555555",
                                     "penwidth": "1.2", "margin": "0.15,0.07"},
-                         edge_attr={"fontname": FONT, "fontsize": "9", "color": "#333333", "arrowsize": "0.7"})
+                         edge_attr={"fontname": font, "fontsize": "9", "color": "#333333", "arrowsize": "0.7"})
     return g
 
 
@@ -286,9 +293,24 @@ def dot_available() -> bool:
 
 
 def _pipe(graph, fmt: str) -> bytes:
+    """``dot -T<fmt>`` of ``graph``; under ``zh_CN`` with ``FONTCONFIG_FILE`` pointing at a configuration that adds
+    Noto Sans CJK SC (the ``graphviz`` package runs ``dot`` with this process's environment, so it is set here for
+    the call and restored after it). English runs with the environment untouched: its pictures stay the same."""
     if not dot_available():
         raise RuntimeError(f"Graphviz's dot is not installed; the diagrams need it: {DOT_INSTALL} (as root)")
-    return graph.pipe(format=fmt)
+    if not is_chinese():
+        return graph.pipe(format=fmt)
+    from minivllm.course.viz.fonts import fontconfig_file
+
+    before = os.environ.get("FONTCONFIG_FILE")
+    os.environ["FONTCONFIG_FILE"] = str(fontconfig_file())
+    try:
+        return graph.pipe(format=fmt)
+    finally:
+        if before is None:
+            del os.environ["FONTCONFIG_FILE"]
+        else:
+            os.environ["FONTCONFIG_FILE"] = before
 
 
 def layout(graph) -> Dict[str, Any]:
@@ -414,12 +436,12 @@ def layout_problems(lay: Dict[str, Any]) -> List[str]:
         for what, text, box in [("edge label", t, b) for j, t, b in edge_labels if j != i] + titles:
             if any(box[0] < x < box[2] and box[1] < y < box[3] for x, y in line):
                 problems.append(f"an edge runs through {what} {text!r}")
-    for _, text, box in edge_labels:
+    for _e, text, box in edge_labels:
         for name, shape in nodes:
             if _overlap(box, _bounds(shape)):
                 problems.append(f"edge label {text!r} lies on node {name}")
-    for i, (_, a, ba) in enumerate(edge_labels):
-        for _, b, bb in edge_labels[i + 1:]:
+    for i, (_e, a, ba) in enumerate(edge_labels):
+        for _f, b, bb in edge_labels[i + 1:]:
             if _overlap(ba, bb):
                 problems.append(f"edge labels {a!r} and {b!r} overlap")
     for obj in lay.get("objects", []):
@@ -433,10 +455,10 @@ def layout_problems(lay: Dict[str, Any]) -> List[str]:
             for name, shape in nodes:
                 if _overlap(box, _bounds(shape)):
                     problems.append(f"cluster {obj['name']}: title {text!r} lies on node {name}")
-            for _, label, lbox in edge_labels:
+            for _e, label, lbox in edge_labels:
                 if _overlap(box, lbox):
                     problems.append(f"cluster {obj['name']}: title {text!r} lies under edge label {label!r}")
-        for _, label, (a0, b0, a1, b1) in edge_labels:  # a label is inside a cluster's frame or outside, not across
+        for _e, label, (a0, b0, a1, b1) in edge_labels:  # a label is inside a cluster's frame or outside, not across
             crossed = [v for v, lo, hi in ((x0, a0, a1), (x1, a0, a1)) if lo + 0.5 < v < hi - 0.5 and
                        b0 < y1 and y0 < b1]
             crossed += [v for v, lo, hi in ((y0, b0, b1), (y1, b0, b1)) if lo + 0.5 < v < hi - 0.5 and
@@ -467,11 +489,11 @@ def schedule_flowchart_graph():
     """``Scheduler.schedule()`` as a ``graphviz.Digraph``: the boxes of ``schedule_flowchart_steps`` (each with its
     line in scheduler.py) in the three parts of the method, and the arrows of ``_FLOW_EDGES``."""
     steps = {s.key: s for s in schedule_flowchart_steps()}
-    g = _digraph("Scheduler.schedule(), one engine step (minivllm/core/sched/scheduler.py; "
-                 "vLLM: vllm/v1/core/sched/scheduler.py)")
+    g = _digraph(_("Scheduler.schedule(), one engine step (minivllm/core/sched/scheduler.py; "
+                   "vLLM: vllm/v1/core/sched/scheduler.py)"))
     for i, (title, keys) in enumerate(_FLOW_PARTS):
         with g.subgraph(name=f"cluster_{i}") as c:
-            c.attr(label=title, labeljust="l", fontsize="11", style="rounded,dashed", color="#999999", margin="16",
+            c.attr(label=_(title), labeljust="l", fontsize="11", style="rounded,dashed", color="#999999", margin="16",
                    labelloc="b")  # at the bottom: the arrows into a part come in at its top
             for k in keys:
                 s = steps.pop(k)
@@ -479,7 +501,7 @@ def schedule_flowchart_graph():
     for k, s in steps.items():  # between the parts: the gate
         _node(g, k, f"{s.text}\n[scheduler.py L{s.line}]", s.kind)
     for tail, head, label, attrs in _FLOW_EDGES:
-        g.edge(tail, head, label=label, **attrs)
+        g.edge(tail, head, label=_(label) if label else "", **attrs)  # _("") is the catalog header
     return g
 
 
@@ -505,30 +527,30 @@ class Transition:
 
 # (source, target, where, why): checked against the code by request_state_machine()
 _TRANSITIONS = [
-    ("WAITING", "RUNNING", "Scheduler._schedule_waiting", "admitted"),
-    ("PREEMPTED", "RUNNING", "Scheduler._schedule_waiting", "resumed"),
-    ("WAITING", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", "async connector load"),
-    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", "async connector load"),
+    ("WAITING", "RUNNING", "Scheduler._schedule_waiting", N_("admitted")),
+    ("PREEMPTED", "RUNNING", "Scheduler._schedule_waiting", N_("resumed")),
+    ("WAITING", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", N_("async connector load")),
+    ("PREEMPTED", "WAITING_FOR_REMOTE_KVS", "Scheduler._schedule_waiting", N_("async connector load")),
     ("WAITING_FOR_REMOTE_KVS", "WAITING",
      "Scheduler._update_waiting_for_remote_kv | Scheduler._release_blocks_of_waiting_requests",
-     "load finished, or blocks released"),
+     N_("load finished, or blocks released")),
     ("WAITING_FOR_REMOTE_KVS", "PREEMPTED",
      "Scheduler._update_waiting_for_remote_kv | Scheduler._release_blocks_of_waiting_requests",
-     "load finished, or blocks released"),
-    ("RUNNING", "PREEMPTED", "Scheduler._preempt_request", "blocks needed"),
-    ("RUNNING", "FINISHED_STOPPED", "check_stop", "EOS / stop token"),
-    ("RUNNING", "FINISHED_LENGTH_CAPPED", "check_stop", "max_tokens / max_model_len"),
-    ("RUNNING", "FINISHED_ABORTED", "Scheduler.finish_requests", "abort"),
-    ("WAITING", "FINISHED_ABORTED", "Scheduler.finish_requests", "abort"),
-    ("PREEMPTED", "FINISHED_ABORTED", "Scheduler.finish_requests", "abort"),
-    ("WAITING_FOR_REMOTE_KVS", "FINISHED_ABORTED", "Scheduler.finish_requests", "abort"),
+     N_("load finished, or blocks released")),
+    ("RUNNING", "PREEMPTED", "Scheduler._preempt_request", N_("blocks needed")),
+    ("RUNNING", "FINISHED_STOPPED", "check_stop", N_("EOS / stop token")),
+    ("RUNNING", "FINISHED_LENGTH_CAPPED", "check_stop", N_("max_tokens / max_model_len")),
+    ("RUNNING", "FINISHED_ABORTED", "Scheduler.finish_requests", N_("abort")),
+    ("WAITING", "FINISHED_ABORTED", "Scheduler.finish_requests", N_("abort")),
+    ("PREEMPTED", "FINISHED_ABORTED", "Scheduler.finish_requests", N_("abort")),
+    ("WAITING_FOR_REMOTE_KVS", "FINISHED_ABORTED", "Scheduler.finish_requests", N_("abort")),
 ]
 
 
 def _status_targets(fn: Callable) -> Tuple[set, bool]:
     """The ``RequestStatus`` members assigned to ``*.status`` in ``fn``, and whether a non-literal value (a
     parameter such as ``finished_status``) is assigned too."""
-    tree, _ = _tree(fn)
+    tree, _offset = _tree(fn)
     targets, dynamic = set(), False
     for node in ast.walk(tree):
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Attribute) and t.attr == "status"
@@ -582,17 +604,17 @@ def request_state_machine_graph():
     states, transitions = request_state_machine()
     used = {t.source for t in transitions} | {t.target for t in transitions}
     aborts = [t for t in transitions if t.target == "FINISHED_ABORTED"]  # dashed, the target's box says why
-    g = _digraph("Request states (minivllm.request.RequestStatus; vLLM: vllm/v1/request.py) and the\n"
-                 "Scheduler method (or check_stop) that moves a request", rankdir="LR", nodesep="0.5",
+    g = _digraph(_("Request states (minivllm.request.RequestStatus; vLLM: vllm/v1/request.py) and the\n"
+                   "Scheduler method (or check_stop) that moves a request"), rankdir="LR", nodesep="0.5",
                  ranksep="0.9")
     g.node("_start", "", shape="point", width="0.12", color="#333333")
     for s in states:
         finished = RequestStatus.is_finished(RequestStatus[s])
         label = s
         if s not in used:
-            label += "\n(no transition drawn)"
+            label += "\n" + _("(no transition drawn)")
         elif s == "FINISHED_ABORTED" and aborts:
-            label += "\nfinish_requests: an abort from\nany unfinished state"
+            label += "\n" + _("finish_requests: an abort from\nany unfinished state")
         g.node(s, label, shape="box", style="rounded,filled",
                fillcolor=_FILL["orphan" if s not in used else "final" if finished else "state"])
     g.edge("_start", "WAITING", label="add_request")
@@ -601,7 +623,7 @@ def request_state_machine_graph():
             g.edge(t.source, t.target, style="dashed", color="#a05050")
             continue
         methods = "\n".join(m.replace("Scheduler.", "") for m in t.method.split(" | "))
-        g.edge(t.source, t.target, label=f"{t.why}\n{methods}")
+        g.edge(t.source, t.target, label=f"{_(t.why)}\n{methods}")
     return g
 
 
@@ -698,20 +720,20 @@ def connector_calls_graph():
     """``connector_calls`` as a ``graphviz.Digraph``: the scheduler side and the worker side in call order, each
     method with the engine's call sites, and what passes between the sides."""
     calls = connector_calls()
-    g = _digraph("KV connector calls per step (minivllm/distributed/kv_transfer/base.py;\n"
-                 "vLLM: vllm/distributed/kv_transfer/kv_connector/v1/base.py)", nodesep="0.6")
-    sides = (("scheduler", "scheduler side (EngineCore process in vLLM)"),
-             ("worker", "worker side (each worker in vLLM)"))
+    g = _digraph(_("KV connector calls per step (minivllm/distributed/kv_transfer/base.py;\n"
+                   "vLLM: vllm/distributed/kv_transfer/kv_connector/v1/base.py)"), nodesep="0.6")
+    sides = (("scheduler", _("scheduler side (EngineCore process in vLLM)")),
+             ("worker", _("worker side (each worker in vLLM)")))
     for side, title in sides:
         group = [c for c in calls if c.side == side]
         with g.subgraph(name=f"cluster_{side}") as c:
             c.attr(label=title, labelloc="b", fontsize="11", style="rounded,dashed", color="#999999")
             for call in group:
-                where = "\n".join(call.call_sites) if call.call_sites else "(not called by the engine)"
+                where = "\n".join(call.call_sites) if call.call_sites else _("(not called by the engine)")
                 _node(c, call.method, f"{call.method}()\n{where}", "process" if call.call_sites else "orphan")
             if side == "scheduler" and any(x.method == "get_finished" for x in calls):
-                _node(c, "_update_from_output", "Scheduler.update_from_output(ModelRunnerOutput)\nnext step: the "
-                      "waiting loop admits\nrequests whose loads finished", "io")
+                _node(c, "_update_from_output", "Scheduler.update_from_output(ModelRunnerOutput)\n" + _(
+                      "next step: the waiting loop admits\nrequests whose loads finished"), "io")
                 group_names = [x.method for x in group] + ["_update_from_output"]
             else:
                 group_names = [x.method for x in group]

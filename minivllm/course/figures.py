@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
 
-from minivllm.i18n import _
+from minivllm.i18n import LANGUAGES, _, get_language, set_language
 
 FIGURES: Dict[str, Callable[[Path], None]] = {}
 """``file name -> function(path)`` for every registered figure."""
@@ -31,6 +31,9 @@ FIGURE_MODULES: List[str] = ["minivllm.course.figures", "minivllm.course.diagram
 """Modules imported by ``main`` so that their ``@register`` decorators run (add yours here)."""
 
 DEFAULT_OUT = Path(__file__).resolve().parents[2] / "images"
+ZH_SUBDIR = "zh-CN"
+"""``--lang zh_CN`` writes to ``images/zh-CN/``: the Chinese edition's build (``minivllm.course.edition``) shows
+``images/zh-CN/<name>`` instead of ``images/<name>`` where that file exists."""
 _DPI = 100
 
 
@@ -179,12 +182,17 @@ def load_all() -> Dict[str, Callable[[Path], None]]:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Regenerate figures. ``--list`` prints the names; ``--only NAME`` (repeatable) picks some; ``--out DIR``
-    writes elsewhere than ``images/``. Returns the exit status (2 for an unknown name)."""
+    writes elsewhere than ``images/``; ``--lang zh_CN`` draws them in Chinese (every registered figure's text goes
+    through gettext: the matplotlib figures' labels and the Graphviz diagrams' prose) into ``images/zh-CN/`` by
+    default. The language is set for the drawing and restored after it. Returns the exit status (2 for an unknown
+    name)."""
     import matplotlib
 
     matplotlib.use("Agg")
     p = argparse.ArgumentParser(prog="python -m minivllm figures", description=__doc__.split("\n")[0])
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="output folder (default: images/ of the course)")
+    p.add_argument("--out", default=None,
+                   help="output folder (default: images/ of the course, images/zh-CN/ with --lang zh_CN)")
+    p.add_argument("--lang", choices=LANGUAGES, default="en", help="the language of the figures' text (default: en)")
     p.add_argument("--only", action="append", default=None, help="a figure name (repeatable)")
     p.add_argument("--list", action="store_true", help="list the figure names and exit")
     a = p.parse_args([] if argv is None else argv)
@@ -198,15 +206,21 @@ def main(argv: Optional[List[str]] = None) -> int:
     if unknown:
         print(f"unknown figure(s): {', '.join(unknown)}; known: {', '.join(sorted(figures))}")
         return 2
-    out = Path(a.out)
-    if out == DEFAULT_OUT and not (DEFAULT_OUT.parent / "notebooks").is_dir():
+    default_out = DEFAULT_OUT / ZH_SUBDIR if a.lang == "zh_CN" else DEFAULT_OUT
+    out = Path(a.out) if a.out is not None else default_out
+    if out == default_out and not (DEFAULT_OUT.parent / "notebooks").is_dir():
         # An installed package: parents[2] is site-packages, no place for the course's images.
         print(f"figures: images/ belongs to the minivllm repository, not to the installed package ({DEFAULT_OUT} "
               "would be inside site-packages); run this from a source checkout or pass --out DIR")
         return 2
     out.mkdir(parents=True, exist_ok=True)
-    for name in names:
-        t = time.perf_counter()
-        figures[name](out / name)
-        print(f"[figures] {out / name} ({time.perf_counter() - t:.1f} s)")
+    before = get_language()
+    set_language(a.lang)
+    try:
+        for name in names:
+            t = time.perf_counter()
+            figures[name](out / name)
+            print(f"[figures] {out / name} ({time.perf_counter() - t:.1f} s)")
+    finally:
+        set_language(before)
     return 0

@@ -157,6 +157,52 @@ def test_diagram_layout_has_no_overflow_or_overlap(name):
 
 
 @needs_dot
+@pytest.mark.parametrize("name", DIAGRAMS)
+def test_chinese_diagram_layout_is_clean_and_in_chinese(name):
+    # under zh_CN the labels are the catalog's Chinese, set in DejaVu Sans then Noto Sans CJK SC, and still fit
+    import os
+
+    pytest.importorskip("mplfonts", reason="the Chinese diagrams need the font package mplfonts")
+    from minivllm.i18n import set_language
+
+    before = os.environ.get("FONTCONFIG_FILE")
+    set_language("zh_CN")
+    try:
+        lay = diagrams.layout(diagrams.GRAPHS[name]())
+    finally:
+        set_language("en")
+    assert os.environ.get("FONTCONFIG_FILE") == before  # set for the dot call only
+    assert diagrams.layout_problems(lay) == []
+    ops = [op for obj in lay["objects"] + lay.get("edges", []) + [lay] for op in obj.get("_ldraw_", [])]
+    assert {op["face"] for op in ops if op["op"] == "F"} == {diagrams.FONT_ZH}
+    texts = [op["text"] for op in ops if op["op"] == "T"]
+    chinese = [t for t in texts if re.search(r"[\u4e00-\u9fff]", t)]
+    assert len(chinese) >= 3, texts
+    # code names stay as they are: the graph's title still names the source file
+    assert any(".py" in t for t in texts)
+
+
+def test_fontconfig_file_adds_the_chinese_font():
+    # dot finds fonts through fontconfig: the file made for it lists mplfonts' Noto Sans CJK SC (and only adds it)
+    import os
+    import shutil
+    import subprocess
+
+    pytest.importorskip("mplfonts", reason="the Chinese diagrams need the font package mplfonts")
+    if shutil.which("fc-list") is None:
+        pytest.skip("fontconfig's fc-list is not installed")
+    from minivllm.course.viz import fonts
+
+    conf = fonts.fontconfig_file()
+    assert fonts.fontconfig_file() == conf  # made once per process
+    listed = subprocess.run(["fc-list", "-f", "%{file}|%{family}\n"], env=dict(os.environ, FONTCONFIG_FILE=str(conf)),
+                            capture_output=True, text=True, check=True).stdout.splitlines()
+    ours = [line for line in listed if line.startswith(str(conf.parent))]
+    assert len(ours) == 1 and fonts.FONT_NAME in ours[0], ours
+    assert (conf.parent / "fonts" / fonts.FONT_FILE).resolve() == fonts.cjk_font_path().resolve()
+
+
+@needs_dot
 def test_flowchart_layout_carries_the_new_paths():
     lay = diagrams.layout(diagrams.schedule_flowchart_graph())
     text = "\n".join(t for obj in lay["objects"] + lay.get("edges", []) for t, _ in diagrams._texts(obj.get("_ldraw_")))
@@ -222,7 +268,11 @@ def test_every_figure_in_images_is_used():
     texts += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "notebooks").glob("*.ipynb"))]
     texts += [p.read_text(encoding="utf-8") for p in sorted((ROOT / "notebooks").glob("*.md"))]
     used = set(re.findall(r"[\w.-]+\.(?:png|svg|jpg)", "\n".join(texts)))
-    images = sorted(p.name for p in (ROOT / "images").iterdir())
+    images = sorted(p.name for p in (ROOT / "images").iterdir() if p.is_file())
     assert images and [n for n in images if n not in used] == []
+    # images/zh-CN/ holds Chinese versions of these (the Chinese edition shows them instead), nothing else
+    zh = ROOT / "images" / figures.ZH_SUBDIR
+    assert sorted(p.name for p in (ROOT / "images").iterdir() if not p.is_file()) == [figures.ZH_SUBDIR]
+    assert [p.name for p in zh.iterdir() if p.name not in images] == []
     # and every registered figure is in images/
     assert set(figures.load_all()) <= set(images)

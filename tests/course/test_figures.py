@@ -34,27 +34,58 @@ def test_unknown_figure_is_an_error(tmp_path, capsys):
     assert list(tmp_path.iterdir()) == []
 
 
+def _assert_same_pictures(drawn, committed_dir, names, command):
+    """Each of ``names`` in ``drawn`` equals the file in ``committed_dir`` (same size, at most 1e-5 of its pixels
+    off by more than 32 in a channel)."""
+    import numpy as np
+    from PIL import Image
+
+    for name in sorted(names):
+        ours = np.asarray(Image.open(drawn / name).convert("RGB"), dtype=np.int16)
+        committed = np.asarray(Image.open(committed_dir / name).convert("RGB"), dtype=np.int16)
+        assert ours.shape == committed.shape, f"{name}: {ours.shape} vs committed {committed.shape}; run {command}"
+        # Rendering is deterministic here (unchanged figures come out pixel-identical); a changed line number in
+        # a diagram moves about 0.1 % of the pixels, so the bound is far below that.
+        changed = (np.abs(ours - committed).max(axis=-1) > 32).mean()
+        assert changed < 1e-5, f"{name}: {changed:.3%} of the pixels differ; run {command}"
+
+
 def test_committed_images_are_what_figures_draws_now(tmp_path):
     """Every figure in images/ equals what ``python -m minivllm figures`` draws from today's engine and code (the
     runs are seeded and greedy, the diagrams read the source's line numbers): a change that moves them without
     regenerating images/ fails here."""
     import shutil
 
-    import numpy as np
-    from PIL import Image
-
     if shutil.which("dot") is None:
         pytest.skip("the diagrams need Graphviz's dot: apt-get install graphviz")
     assert figures.main(["--out", str(tmp_path)]) == 0
-    for name in sorted(figures.FIGURES):
-        ours = np.asarray(Image.open(tmp_path / name).convert("RGB"), dtype=np.int16)
-        committed = np.asarray(Image.open(figures.DEFAULT_OUT / name).convert("RGB"), dtype=np.int16)
-        assert ours.shape == committed.shape, f"{name}: {ours.shape} vs committed {committed.shape}; run " \
-                                              "python -m minivllm figures"
-        # Rendering is deterministic here (unchanged figures come out pixel-identical); a changed line number in
-        # a diagram moves about 0.1 % of the pixels, so the bound is far below that.
-        changed = (np.abs(ours - committed).max(axis=-1) > 32).mean()
-        assert changed < 1e-5, f"{name}: {changed:.3%} of the pixels differ; run python -m minivllm figures"
+    _assert_same_pictures(tmp_path, figures.DEFAULT_OUT, figures.FIGURES, "python -m minivllm figures")
+
+
+def test_committed_chinese_images_are_what_figures_draws_now(tmp_path):
+    """images/zh-CN/ (the pictures the Chinese edition shows) holds every figure, each equal to what
+    ``python -m minivllm figures --lang zh_CN`` draws now: a changed label, translation or line number without
+    regenerated Chinese pictures fails here. The language is English again afterwards."""
+    import shutil
+
+    from minivllm.i18n import get_language
+
+    if shutil.which("dot") is None:
+        pytest.skip("the diagrams need Graphviz's dot: apt-get install graphviz")
+    pytest.importorskip("mplfonts", reason="the Chinese figures need the font package mplfonts")
+    assert figures.main(["--lang", "zh_CN", "--out", str(tmp_path)]) == 0
+    assert get_language() == "en"
+    zh = figures.DEFAULT_OUT / figures.ZH_SUBDIR
+    assert sorted(p.name for p in zh.iterdir()) == sorted(figures.FIGURES)
+    _assert_same_pictures(tmp_path, zh, figures.FIGURES, "python -m minivllm figures --lang zh_CN")
+    # the Chinese pictures are not the English ones: their text changed
+    import numpy as np
+    from PIL import Image
+
+    for name in ("schedule_flowchart.png", "request_state_machine.png", "connector_calls.png"):
+        en = np.asarray(Image.open(figures.DEFAULT_OUT / name).convert("RGB"))
+        ours = np.asarray(Image.open(zh / name).convert("RGB"))
+        assert en.shape != ours.shape or (en != ours).any(), name
 
 
 def test_preemption_run_is_the_documented_one():

@@ -127,6 +127,10 @@ def _check_figures(args, comment):
     assert names and all(n.endswith(".png") for n in names), out
     missing = [n for n in names if not (ROOT / "images" / n).is_file()]
     assert not missing, f"figures listed but not in images/: {missing}"
+    # the comment promises the Chinese figures under --lang zh_CN in images/zh-CN/
+    assert "--lang zh_CN: images/zh-CN/" in comment, comment
+    missing = [n for n in names if not (ROOT / "images" / "zh-CN" / n).is_file()]
+    assert not missing, f"figures listed but not in images/zh-CN/: {missing}"
 
 
 CHECKS = {"generate": _check_generate, "chat": _check_chat, "serve": _check_serve, "bench": _check_bench,

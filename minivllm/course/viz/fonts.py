@@ -13,8 +13,12 @@ In English nothing is changed: the English figures are drawn with exactly today'
 
 from __future__ import annotations
 
+import atexit
+import functools
 import importlib.util
 import logging
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -96,4 +100,32 @@ def monospace() -> Any:
     return ["monospace", FONT_NAME] if is_chinese() else "monospace"
 
 
-__all__ = ["FONT_NAME", "cjk_font_path", "monospace", "use_language_font"]
+@functools.lru_cache(maxsize=None)
+def fontconfig_file() -> Path:
+    """A fontconfig configuration (``fonts.conf``) that adds Noto Sans CJK SC to the system's fonts, for Graphviz.
+
+    Graphviz's ``dot`` (``minivllm.course.diagrams``) finds fonts through fontconfig, not through matplotlib, and a
+    Debian image has no Chinese font: run with ``FONTCONFIG_FILE`` set to this file, a label in the family
+    ``"DejaVu Sans,Noto Sans CJK SC"`` draws its Latin letters in DejaVu Sans and its Chinese characters in Noto.
+    The file includes the system's ``/etc/fonts/fonts.conf`` and adds a folder holding only a link to
+    ``mplfonts``' font file (the package's folder has other CJK fonts, which fontconfig could otherwise pick), with
+    fontconfig's cache in the same temporary folder (made once per process and removed when it exits; the user's
+    cache is left alone).
+
+    Raises as :func:`cjk_font_path` when ``mplfonts`` is missing.
+    """
+    font = cjk_font_path()
+    root = Path(tempfile.mkdtemp(prefix="minivllm-fontconfig-"))
+    atexit.register(shutil.rmtree, root, True)  # ignore_errors: the folder is ours alone, gone or not
+    (root / "fonts").mkdir()
+    (root / "fonts" / FONT_FILE).symlink_to(font)
+    conf = root / "fonts.conf"
+    conf.write_text(
+        '<?xml version="1.0"?>\n<!DOCTYPE fontconfig SYSTEM "fonts.dtd">\n<fontconfig>\n'
+        '  <include ignore_missing="yes">/etc/fonts/fonts.conf</include>\n'
+        f"  <dir>{root / 'fonts'}</dir>\n  <cachedir>{root / 'cache'}</cachedir>\n</fontconfig>\n",
+        encoding="utf-8")
+    return conf
+
+
+__all__ = ["FONT_NAME", "cjk_font_path", "fontconfig_file", "monospace", "use_language_font"]
