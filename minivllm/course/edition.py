@@ -358,15 +358,15 @@ def _slide_types(cells: List[dict], stem: str) -> None:
         cell.setdefault("metadata", {})["slideshow"] = {"slide_type": t}
 
 
-def _stored_outputs(path: Path) -> dict:
+def _stored_run(path: Path) -> Tuple[dict, Optional[dict]]:
+    """What the Chinese notebook at ``path`` keeps from its last run: ``{code cell id: (source, (outputs,
+    execution_count))}`` and its saved widget state (``({}, None)`` before the first build)."""
     if not path.exists():
-        return {}
-    return {c["id"]: (_source(c), (c.get("outputs", []), c.get("execution_count")))
-            for c in _load(path)["cells"] if c["cell_type"] == "code"}
-
-
-def _stored_widgets(path: Path) -> Optional[dict]:
-    return _load(path).get("metadata", {}).get("widgets") if path.exists() else None
+        return {}, None
+    nb = _load(path)
+    outputs = {c["id"]: (_source(c), (c.get("outputs", []), c.get("execution_count")))
+               for c in nb["cells"] if c["cell_type"] == "code"}
+    return outputs, nb.get("metadata", {}).get("widgets")
 
 
 def _without_outputs(nb: dict) -> dict:
@@ -384,7 +384,8 @@ def build(root: Path = NOTEBOOKS_DIR, notebooks: Optional[Iterable[Path]] = None
     written = []
     for english in notebooks or english_notebooks(root):
         target = edition_path(english, root)
-        nb = build_notebook(english, root, _stored_outputs(target), allow_missing, _stored_widgets(target))
+        outputs, widgets = _stored_run(target)
+        nb = build_notebook(english, root, outputs, allow_missing, widgets)
         text = _dump(nb)
         if not target.exists() or target.read_text(encoding="utf-8") != text:
             target.parent.mkdir(parents=True, exist_ok=True)
@@ -417,7 +418,7 @@ def check(root: Path = NOTEBOOKS_DIR) -> Problems:
                 problems.untranslated.append((name, cell["id"], first))
         target = edition_path(english, root)
         if not (problems.untranslated or problems.fuzzy):
-            want = _without_outputs(build_notebook(english, root, _stored_outputs(target)))
+            want = _without_outputs(build_notebook(english, root, _stored_run(target)[0]))
             have = _without_outputs(_load(target)) if target.exists() else None
             if have != want:
                 problems.stale_notebooks.append(relative(target, root).as_posix())
