@@ -12,7 +12,8 @@ those blocks the test compares what the reader looks up in the package instead o
 lines, on each line the same indentation and leading path (``core/sched/``, ``-> output_processor.py``), and the
 same names in the same order (file names, directory names, code identifiers, ``->`` and ``|``), so that a file
 added to, moved in or dropped from one tree but not the other fails here; a line that is English prose in README.md
-must hold Chinese, and no Layout line in README.zh-CN.md holds English prose.
+(two English words or more besides the names) must hold Chinese, and no Layout line of README.zh-CN.md holds an
+English function word (``the``, ``of``, ...).
 """
 
 import re
@@ -29,7 +30,7 @@ LAYOUT = "## Layout"
 # A Layout line's tokens: arrows, --flags, and runs of ASCII name characters (a Chinese character or a full-width
 # bracket or comma ends a run, so ``block_hash.py（BlockHash，叶子模块）`` gives ``block_hash.py`` and ``BlockHash``).
 TOKEN = re.compile(r"->|\||--[\w-]+|[\w./*]+", re.ASCII)
-# English words that only prose uses: a Layout line holding one is an untranslated note.
+# English function words: a Layout line of README.zh-CN.md holding one has a note left (partly) in English.
 PROSE = re.compile(r"\b(the|a|an|of|in|on|per|and|for|to|from|by|with|each|its|one|what|only)\b")
 
 
@@ -87,6 +88,14 @@ def _layout_line(line):
     return len(line) - len(body), (lead if lead and _is_name(lead) else None), names
 
 
+def _prose_words(line):
+    """The lowercase English words (three letters or more) of a Layout line that are not names, leaving out call
+    arguments and an assignment's target (``executor = get_executor_class(config)(config)`` has none)."""
+    line = re.sub(r"(?<=[\w)])\([^()]*\)", "", line)
+    line = re.sub(r"\w+ = ", "", line)
+    return [tok for tok in TOKEN.findall(line) if re.fullmatch(r"[a-z]{3,}", tok) and not _is_name(tok)]
+
+
 def _layout_block_mismatches(en, zh):
     """The lines where the Chinese Layout block ``zh`` does not keep the English block ``en``'s paths and names, or
     leaves a note in English: ``[(line number, English line, Chinese line)]``; a difference in line count is one
@@ -95,7 +104,7 @@ def _layout_block_mismatches(en, zh):
     out = [(i + 1, e, z) for i, (e, z) in enumerate(zip(en_lines, zh_lines))
            if _layout_line(e) != _layout_line(z)
            or PROSE.search(z)
-           or (PROSE.search(e) and not CJK.search(z))]
+           or (len(_prose_words(e)) >= 2 and not CJK.search(z))]
     if len(en_lines) != len(zh_lines):
         n = min(len(en_lines), len(zh_lines))
         out.append((n + 1, (en_lines + [None])[n], (zh_lines + [None])[n]))
