@@ -10,13 +10,16 @@ model where only scheduling mechanics matter), draws, and writes one file at ``p
         ...                                   # run the engine, draw, fig.savefig(path)
 
 Registration happens on import: modules that define figures are listed in ``FIGURE_MODULES`` and imported by
-``main``. Nothing in a figure is drawn by hand; every number comes from the run.
+``main``. Nothing in a figure is drawn by hand; every number comes from the run, or, for the one figure of a
+measurement that needs vLLM's own server (``bench_serve_vs_vllm.png``), from that hand-run measurement's record
+(``minivllm/bench/serve/measurement_float32.json``), so that the Chinese copy is drawn from the same numbers.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import json
 import os
 import time
 from pathlib import Path
@@ -170,6 +173,20 @@ def latency_static_vs_continuous(path: Path) -> None:
     ax.legend(fontsize=8)
     fig.tight_layout()
     _save(fig, path)
+
+
+SERVE_MEASUREMENT = Path(__file__).resolve().parents[1] / "bench" / "serve" / "measurement_float32.json"
+"""The README's ``bench serve`` against ``vllm serve`` measurement (its section Speed), as ``bench serve``'s
+summary rows: a hand run needing vLLM's CPU build and half an hour, so the figure is redrawn from the record."""
+
+
+@register("bench_serve_vs_vllm.png")
+def bench_serve_vs_vllm(path: Path) -> None:
+    """minivllm's server against vllm serve: the README's hand-run float32 measurement, latency against rate"""
+    from minivllm.bench.serve.plot import plot_latency_vs_rate
+
+    record = json.loads(SERVE_MEASUREMENT.read_text(encoding="utf-8"))
+    _save(plot_latency_vs_rate(record["summary"]), path)
 
 
 # ---- command line ---------------------------------------------------------------------------------------------

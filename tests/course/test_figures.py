@@ -118,3 +118,33 @@ def test_frame_budget_bar_shows_a_few_decode_tokens_of_a_large_budget():
     names = ", ".join(f"{r}: {s.kinds[r]} +{n}" for r, n in s.num_scheduled_tokens.items() if n > 0)
     assert names in [t.get_text() for t in ax.texts]
     plt.close(ax.figure)
+
+
+def test_the_serving_figure_is_drawn_from_the_readme_measurement():
+    """``bench_serve_vs_vllm.png`` is redrawn from ``minivllm/bench/serve/measurement_float32.json``; that record
+    holds exactly the README's table of the hand run (rate, server, and median (min-max) of output tok/s, p99
+    TTFT, p50 ITL, p99 E2EL) and the command printed above it, so the picture and the README cannot disagree."""
+    import json
+    import re
+
+    readme = (figures.DEFAULT_OUT.parent / "README.md").read_text(encoding="utf-8")
+    record = json.loads(figures.SERVE_MEASUREMENT.read_text(encoding="utf-8"))
+    start = readme.index(record["command"].split(" --vllm-args")[0])
+    block = readme[start:readme.index("```", start)]
+    assert " ".join(block.replace("\\\n", " ").split()) == record["command"]
+    table = readme.index("| rate (req/s) |", start)
+    rows = []
+    for line in readme[table:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        rows.append([c.strip() for c in line.strip("|").split("|")])
+    assert len(rows) == len(record["summary"]) == 8
+
+    def cell(v):
+        return f"{v['median']:.0f} ({v['min']:.0f}-{v['max']:.0f})"
+
+    for row, r in zip(rows, record["summary"]):
+        assert row == [f"{r['request_rate']:g}", {"vllm": "vllm serve"}.get(r["target"], r["target"]),
+                       cell(r["output_tok_s"]), cell(r["ttft_p99_ms"]), cell(r["itl_p50_ms"]),
+                       cell(r["e2el_p99_ms"])]
+    assert re.search(r"!\[[^\]]*\]\(images/bench_serve_vs_vllm\.png\)", readme)
