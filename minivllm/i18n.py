@@ -5,7 +5,8 @@ or the environment variable ``MINIVLLM_LANG`` read at import. The Chinese notebo
 ``set_language("zh_CN")`` in their first code cell.
 
 Messages are marked with :func:`_` (``gettext``) and :func:`ngettext` (:func:`N_` marks a module-level constant,
-translated where it is printed); the catalog is the standard gettext pair
+translated where it is printed; :func:`L_` marks a table label, translated where the table is shown, in its own
+gettext context :data:`TABLE_LABEL`); the catalog is the standard gettext pair
 ``minivllm/locale/zh_CN/LC_MESSAGES/minivllm.po`` (edited by translators) and ``minivllm.mo`` (compiled from it by
 ``python -m minivllm.course.i18n_catalog compile``; a test checks it is up to date). Only the standard library's
 ``gettext`` runs here, so the engine stays free of course dependencies; the engine marks only the errors that
@@ -25,6 +26,9 @@ DOMAIN = "minivllm"
 LOCALE_DIR = Path(__file__).resolve().parent / "locale"
 LANGUAGES = ("en", "zh_CN")
 ENV_VAR = "MINIVLLM_LANG"
+# The gettext context (msgctxt) of the labels marked with L_: a column called "prompt tokens" is not the fragment
+# "prompt tokens" of a sentence, so the two are translated apart.
+TABLE_LABEL = "table label"
 
 _ALIASES = {"en": "en", "en_US": "en", "en_GB": "en", "C": "en",
             "zh": "zh_CN", "zh_CN": "zh_CN", "zh-CN": "zh_CN", "zh_Hans": "zh_CN", "zh-Hans": "zh_CN"}
@@ -88,6 +92,21 @@ def N_(message: str) -> str:
     extracts ``_("...")``.
     """
     return message
+
+
+def pgettext(context: str, message: str) -> str:
+    """``message`` in the current language as it is translated in ``context`` (gettext's ``msgctxt``); English
+    when the catalog has no such entry."""
+    return _translation.pgettext(context, message)
+
+
+def L_(label: str) -> str:
+    """Mark ``label``, a row or column label of a table a notebook builds, for the catalog (context
+    :data:`TABLE_LABEL`) without translating it: returns it unchanged, so that code keeps indexing the table by its
+    English label. :func:`minivllm.course.tables.translated_labels` translates the labels of the copy it shows.
+    ``python -m minivllm.course.i18n_catalog update`` extracts ``L_("...")`` with that context.
+    """
+    return label
 
 
 def _from_environment() -> Optional[str]:

@@ -22,6 +22,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from minivllm.i18n import _
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 CASES = ("throughput", "latency", "prefix")
@@ -131,7 +133,7 @@ def _run_hf(hf, wl, a):
 
     run_hf_generate(hf, wl.subset(min(2, wl.num_requests)), batch_size=a.hf_batch_size, progress=False)
     runs = []
-    for _ in range(a.repeats):
+    for _repeat in range(a.repeats):
         load = list(os.getloadavg())
         runs.append(_stamp(run_hf_generate(hf, wl, batch_size=a.hf_batch_size, progress=not a.no_progress), load))
     return runs
@@ -226,11 +228,11 @@ def main(argv: Optional[List[str]] = None) -> int:
     print(environment_line())
     print(format_table(out["results"], out["ratios"]))
     for peer, why in out["skipped"].items():
-        print(f"(skipped {peer}: {why})")
+        print(_("(skipped {peer}: {why})").format(peer=peer, why=why))
     path = a.json or os.path.join("bench-results", time.strftime("bench-%Y%m%d-%H%M%S.json"))
     args = {k: v for k, v in vars(a).items() if k != "peer_set"}
     write_json(path, out["results"], out["ratios"], out["workloads"], args, out["skipped"])
-    print(f"results written to {path}")
+    print(_("results written to {path}").format(path=path))
     return 0
 
 

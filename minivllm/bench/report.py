@@ -6,25 +6,39 @@ import json
 import os
 import platform
 import time
+import unicodedata
 from typing import Dict, List, Optional
 
 import torch
 
 from minivllm.bench.metrics import RunResult, median_run
+from minivllm.i18n import TABLE_LABEL, L_, _, pgettext
 
+# The table's column labels are English in the JSON and the code, and shown in the current language
+# (minivllm.i18n: notebook 09's Chinese edition prints this table).
 COLUMNS = [
-    ("system", "system", "{}"),
-    ("output tok/s", "output_tok_s", "{:.1f}"),
-    ("total tok/s", "total_tok_s", "{:.1f}"),
-    ("decode tok/s", "decode_tok_s", "{:.1f}"),
-    ("TTFT p50 ms", "ttft_p50_s", "ms"),
-    ("TTFT p99 ms", "ttft_p99_s", "ms"),
-    ("ITL p50 ms", "itl_p50_s", "ms"),
-    ("ITL p99 ms", "itl_p99_s", "ms"),
-    ("peak MiB", "peak_mem_mib", "{:.0f}"),
-    ("preempt", "num_preemptions", "{}"),
-    ("runs", None, "{}"),
+    (L_("system"), "system", "{}"),
+    (L_("output tok/s"), "output_tok_s", "{:.1f}"),
+    (L_("total tok/s"), "total_tok_s", "{:.1f}"),
+    (L_("decode tok/s"), "decode_tok_s", "{:.1f}"),
+    (L_("TTFT p50 ms"), "ttft_p50_s", "ms"),
+    (L_("TTFT p99 ms"), "ttft_p99_s", "ms"),
+    (L_("ITL p50 ms"), "itl_p50_s", "ms"),
+    (L_("ITL p99 ms"), "itl_p99_s", "ms"),
+    (L_("peak MiB"), "peak_mem_mib", "{:.0f}"),
+    (L_("preempt"), "num_preemptions", "{}"),
+    (L_("runs"), None, "{}"),
 ]
+
+
+def _width(text: str) -> int:
+    # a Chinese label takes two columns per character in a terminal or a notebook's output
+    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
+
+
+def _pad(text: str, width: int, right: bool) -> str:
+    fill = " " * max(width - _width(text), 0)
+    return fill + text if right else text + fill
 
 
 def _cell(value, fmt: str) -> str:
@@ -39,11 +53,11 @@ def format_table(results: Dict[str, Dict[str, List[RunResult]]], ratios: Dict[st
     """One block per workload: a row per system (median run of each), then minivllm's speed-up over each peer."""
     lines = []
     for case, systems in results.items():
-        rows = [[name for name, _, _ in COLUMNS]]
+        rows = [[pgettext(TABLE_LABEL, name) for name, _attr, _fmt in COLUMNS]]
         for label, runs in systems.items():
             m = median_run(runs)
             row = []
-            for _, attr, fmt in COLUMNS:
+            for _name, attr, fmt in COLUMNS:
                 if attr == "system":
                     row.append(label)
                 elif attr is None:
@@ -51,15 +65,16 @@ def format_table(results: Dict[str, Dict[str, List[RunResult]]], ratios: Dict[st
                 else:
                     row.append(_cell(getattr(m, attr), fmt))
             rows.append(row)
-        widths = [max(len(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        widths = [max(_width(r[i]) for r in rows) for i in range(len(COLUMNS))]
         first = next(iter(systems.values()))[0]
-        lines.append(f"== {case}: {first.num_requests} requests, {first.prompt_tokens} prompt tokens ==")
+        lines.append(_("== {case}: {requests} requests, {prompt_tokens} prompt tokens ==").format(
+            case=case, requests=first.num_requests, prompt_tokens=first.prompt_tokens))
         for k, r in enumerate(rows):
-            lines.append("  ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append("  ".join(_pad(c, w, right=i > 0) for i, (c, w) in enumerate(zip(r, widths))))
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         for peer, ratio in ratios.get(case, {}).items():
-            lines.append(f"   minivllm / {peer}: {ratio:.2f}x")
+            lines.append(_("   minivllm / {peer}: {ratio:.2f}x").format(peer=peer, ratio=ratio))
         lines.append("")
     return "\n".join(lines)
 
@@ -109,9 +124,9 @@ def cpu_class(cpuinfo: Optional[str] = None) -> List[str]:
 def environment_line(env: Optional[Dict] = None) -> str:
     """One line naming the CPU, its class, the threads and the load average, printed with every table."""
     env = env or environment()
-    flags = ", ".join(env.get("cpu_flags") or []) or "no AVX2"
-    return (f"machine: {env['cpu']} ({flags}), {env['cpu_count']} CPUs, {env['torch_threads']} torch threads, "
-            f"load average {env['loadavg'][0]:.2f}")
+    flags = ", ".join(env.get("cpu_flags") or []) or _("no AVX2")
+    return _("machine: {cpu} ({flags}), {cpus} CPUs, {threads} torch threads, load average {load:.2f}").format(
+        cpu=env["cpu"], flags=flags, cpus=env["cpu_count"], threads=env["torch_threads"], load=env["loadavg"][0])
 
 
 def environment() -> Dict:

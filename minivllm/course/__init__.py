@@ -23,13 +23,25 @@ def set_language(language: str) -> str:
     The font has to be in ``rcParams["font.family"]`` before a notebook creates its axes: an axes' title and axis
     labels take their font when the axes are made, so a course function that later writes Chinese into axes the
     notebook made (``plot_timeline(trace, ax)``, ``draw_block_table_map(..., ax=ax)``) would draw empty boxes.
+    In Chinese, pandas also counts a Chinese character as two columns when it prints a table (its option
+    ``display.unicode.east_asian_width``), so that the translated labels line up.
     Raises as :func:`~minivllm.course.viz.fonts.cjk_font_path` (``mplfonts`` missing), in Chinese only, after the
     messages have switched."""
     lang = _set_messages_language(language)
     from minivllm.course.viz.fonts import use_language_font  # matplotlib only when the language is set
 
     use_language_font()
+    _align_wide_characters(lang == "zh_CN")
     return lang
+
+
+def _align_wide_characters(on: bool) -> None:
+    # A Chinese character takes two columns in a terminal or a notebook's text output; pandas counts one unless
+    # told, and a table printed with Chinese labels (``print(translated_labels(df).to_string())``) comes out
+    # with its columns askew.
+    import pandas as pd
+
+    pd.set_option("display.unicode.east_asian_width", on)
 
 
 __all__ = ["get_language", "set_language"]

@@ -1,7 +1,9 @@
 """The gettext catalog of the package's own messages (``minivllm/locale``), kept with Babel.
 
 * ``python -m minivllm.course.i18n_catalog update``: extract every message marked ``_("...")``, ``N_("...")``
-  (a constant translated where it is printed) or ``ngettext("...", "...", n)`` in ``minivllm/**.py`` (Babel's Python extractor, the ``pybabel extract`` one) into
+  (a constant translated where it is printed), ``ngettext("...", "...", n)`` or ``L_("...")`` (a table label,
+  extracted with the gettext context ``minivllm.i18n.TABLE_LABEL``) in ``minivllm/**.py`` and in the English
+  notebooks' code cells (Babel's Python extractor, the ``pybabel extract`` one) into
   ``minivllm/locale/minivllm.pot``, then merge it into ``zh_CN/LC_MESSAGES/minivllm.po``: new messages empty,
   changed ones fuzzy with their old text as ``#| msgid``, gone ones dropped (Babel's ``Catalog.update``);
 * ``compile``: write ``minivllm.mo`` from the ``.po`` (what :mod:`minivllm.i18n` loads, with the standard
@@ -20,12 +22,15 @@ import sys
 from pathlib import Path
 from typing import List, Optional
 
-from minivllm.i18n import DOMAIN, LOCALE_DIR
+from minivllm.i18n import DOMAIN, LOCALE_DIR, TABLE_LABEL
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1]
 POT = LOCALE_DIR / f"{DOMAIN}.pot"
 LOCALES = ("zh_CN",)
 KEYWORDS = {"_": None, "ngettext": (1, 2), "N_": None}
+# Babel's keyword specs take a context only from an argument; L_("label") has a fixed one, so its messages are
+# extracted in a pass of their own and given that context.
+LABEL_KEYWORDS = {"L_": None}
 
 
 def po_path(locale: str) -> Path:
@@ -42,18 +47,20 @@ def template():
     from babel.messages.extract import extract_from_dir
 
     catalog = Catalog(project="minivllm", version=None, creation_date=None, fuzzy=False)
-    found = extract_from_dir(str(PACKAGE_DIR), method_map=[("**.py", "python")], keywords=KEYWORDS,
-                             comment_tags=("Translators:",), strip_comment_tags=True)
-    for filename, lineno, message, comments, context in found:
-        catalog.add(message, None, [(f"minivllm/{filename}", lineno)], auto_comments=comments, context=context)
-    for location, message, comments, context in notebook_messages():
-        catalog.add(message, None, [(location, 0)], auto_comments=comments, context=context)
+    for keywords, fixed_context in ((KEYWORDS, None), (LABEL_KEYWORDS, TABLE_LABEL)):
+        found = extract_from_dir(str(PACKAGE_DIR), method_map=[("**.py", "python")], keywords=keywords,
+                                 comment_tags=("Translators:",), strip_comment_tags=True)
+        for filename, lineno, message, comments, context in found:
+            catalog.add(message, None, [(f"minivllm/{filename}", lineno)], auto_comments=comments,
+                        context=fixed_context or context)
+        for location, message, comments, context in notebook_messages(keywords):
+            catalog.add(message, None, [(location, 0)], auto_comments=comments, context=fixed_context or context)
     return catalog
 
 
-def notebook_messages():
-    """``(location, message, comments, context)`` of every ``_("...")``/``ngettext`` in the English notebooks'
-    code cells: the labels, titles and prediction texts that a notebook's own code prints or draws. The code cells
+def notebook_messages(keywords=KEYWORDS):
+    """``(location, message, comments, context)`` of every message marked with one of ``keywords`` (Babel's
+    keyword specs; default ``_``, ``N_``, ``ngettext``) in the English notebooks' code cells: the labels, titles and prediction texts that a notebook's own code prints or draws. The code cells
     are the same in both editions; ``_`` (``from minivllm.i18n import _``) gives the Chinese edition its Chinese.
     """
     import json
@@ -67,13 +74,13 @@ def notebook_messages():
             if cell["cell_type"] != "code":
                 continue
             src = "".join(cell["source"])
-            if "_(" not in src and "ngettext(" not in src:
+            if not any(f"{k}(" in src for k in keywords):
                 continue
             # IPython lines (%magic, !shell) are not Python: blanked so that the extractor reads the rest
             code = "\n".join("" if ln.lstrip().startswith(("%", "!")) else ln for ln in src.splitlines())
             where = f"{path.relative_to(notebooks.parent).as_posix()}#{cell['id']}"
             for _lineno, message, comments, context in extract("python", io.BytesIO(code.encode("utf-8")),
-                                                                keywords=KEYWORDS, comment_tags=("Translators:",),
+                                                                keywords=keywords, comment_tags=("Translators:",),
                                                                 strip_comment_tags=True):
                 yield where, message, comments, context
 

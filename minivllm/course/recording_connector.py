@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set, Tuple
 
 from minivllm.distributed.kv_transfer.base import KVConnectorBase, KVConnectorMetadata
-from minivllm.i18n import N_
+from minivllm.i18n import L_, N_
 
 if TYPE_CHECKING:
     import torch
@@ -218,5 +218,5 @@ def connector_rows(trace) -> List[Dict[str, Any]]:
                 worker.append(f"save_layer×{layers}")
                 layers = 0
             (sched if d["side"] == "scheduler" else worker).append(format_call(d))
-        rows.append({"step": s.step, "scheduler side": " · ".join(sched), "worker side": " · ".join(worker)})
+        rows.append({L_("step"): s.step, L_("scheduler side"): " · ".join(sched), L_("worker side"): " · ".join(worker)})
     return rows

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from minivllm.core.sched.scheduler import SchedulerStep
 from minivllm.engine.llm_engine import LLMEngine
+from minivllm.i18n import L_
 from minivllm.request import RequestStatus
 
 if TYPE_CHECKING:
@@ -327,7 +328,8 @@ class SchedulerTrace:
         return total - (furthest - (first_cached or 0))
 
     def to_rows(self) -> List[Dict[str, Any]]:
-        """One row per step: the table shown in the notebooks."""
+        """One row per step: the table shown in the notebooks. The column names are English (code indexes them);
+        :func:`minivllm.course.tables.translated_labels` shows them in the learner's language."""
         rows = []
         for s in self.steps:
             sched = ", ".join(
@@ -335,14 +337,14 @@ class SchedulerTrace:
             )
             rows.append(
                 {
-                    "step": s.step,
-                    "waiting": " ".join(s.waiting) or "-",
-                    "running": " ".join(s.running) or "-",
-                    "scheduled (P=prefill, D=decode)": sched or "-",
-                    "tokens": s.total_scheduled,
-                    "preempted": " ".join(s.preempted) or "",
-                    "finished": " ".join(s.finished) or "",
-                    "free blocks": s.num_free_blocks,
+                    L_("step"): s.step,
+                    L_("waiting"): " ".join(s.waiting) or "-",
+                    L_("running"): " ".join(s.running) or "-",
+                    L_("scheduled (P=prefill, D=decode)"): sched or "-",
+                    L_("tokens"): s.total_scheduled,
+                    L_("preempted"): " ".join(s.preempted) or "",
+                    L_("finished"): " ".join(s.finished) or "",
+                    L_("free blocks"): s.num_free_blocks,
                 }
             )
         return rows

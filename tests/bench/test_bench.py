@@ -249,3 +249,40 @@ def test_cpu_class_names_the_flags_that_decide_the_fast_path():
     line = environment_line({**env, "cpu_flags": ["avx2"], "cpu": "AMD EPYC", "cpu_count": 2,
                              "torch_threads": 2, "loadavg": [0.5, 0.4, 0.3]})
     assert line == "machine: AMD EPYC (avx2), 2 CPUs, 2 torch threads, load average 0.50"
+
+
+def test_the_table_is_printed_in_the_current_language_with_its_columns_aligned():
+    """``format_table`` and ``environment_line`` in English (unchanged) and in Chinese (notebook 09's Chinese
+    edition prints them): the labels through the catalog, every line of a block the same display width (a Chinese
+    character is two columns), the numbers the same."""
+    import unicodedata
+
+    from minivllm import i18n
+    from minivllm.bench.metrics import RunResult
+    from minivllm.bench.report import environment_line, format_table
+
+    def run(system, tok_s):
+        return RunResult(system, "latency", 1, 160, 16, 1.0, tok_s, 10 * tok_s, 0.2, 0.2, 0.03, 0.04,
+                         decode_tok_s=tok_s + 1, peak_mem_mib=3000.0, num_preemptions=0, num_steps=16)
+
+    results = {"latency": {"minivllm": [run("minivllm", 25.7)], "transformers": [run("transformers", 14.6)]}}
+    ratios = {"latency": {"transformers": 2.03}}
+    env = {"cpu_flags": ["avx2"], "cpu": "AMD EPYC", "cpu_count": 2, "torch_threads": 1, "loadavg": [0.5, 0, 0]}
+    width = lambda s: sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in s)  # noqa: E731
+    try:
+        en = format_table(results, ratios).splitlines()
+        assert en[0] == "== latency: 1 requests, 160 prompt tokens =="
+        assert en[1].split() == ["system", "output", "tok/s", "total", "tok/s", "decode", "tok/s", "TTFT", "p50",
+                                 "ms", "TTFT", "p99", "ms", "ITL", "p50", "ms", "ITL", "p99", "ms", "peak", "MiB",
+                                 "preempt", "runs"]
+        assert en[3].split()[:2] == ["minivllm", "25.7"] and en[5] == "   minivllm / transformers: 2.03x"
+        i18n.set_language("zh_CN")
+        zh = format_table(results, ratios).splitlines()
+        assert zh[0] == "== latency：1 个请求，160 个 prompt token =="
+        assert zh[1].split()[:3] == ["系统", "输出", "tok/s"] and "峰值内存" in zh[1] and "抢占次数" in zh[1]
+        assert [ln.split()[1:] for ln in zh[3:5]] == [ln.split()[1:] for ln in en[3:5]]   # the same numbers
+        assert len({width(ln) for ln in zh[1:5]}) == 1 and len({width(ln) for ln in en[1:5]}) == 1
+        assert environment_line(env) == "机器：AMD EPYC（avx2），2 个 CPU，torch 线程数 1，负载均值 0.50"
+    finally:
+        i18n.set_language("en")
+    assert environment_line(env) == "machine: AMD EPYC (avx2), 2 CPUs, 1 torch threads, load average 0.50"
