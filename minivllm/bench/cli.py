@@ -144,6 +144,7 @@ def run_benchmark(a) -> Dict:
     import torch
 
     from minivllm.bench import workload as W
+    from minivllm.bench.metrics import median_run
     from minivllm.bench.report import compute_ratios
 
     cases = _check(a)
@@ -201,14 +202,22 @@ def run_benchmark(a) -> Dict:
                     results[case]["vllm"] = out[wl.name]
             except Exception as e:  # a broken optional peer must not cost the other results
                 skipped["vllm"] = f"failed: {e}"
+    floor = None
+    if "latency" in results and a.device == "cpu":
+        from minivllm.bench.report import bandwidth_floor
+        from minivllm.bench.roofline import measure_bandwidth
+
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        ours = median_run(results["latency"]["minivllm"]).decode_tok_s
+        floor = bandwidth_floor(weight_bytes, measure_bandwidth(), ours)
     return {"results": results, "ratios": compute_ratios(results), "skipped": skipped,
-            "workloads": {c: w.summary() for c, w in workloads.items()}}
+            "workloads": {c: w.summary() for c, w in workloads.items()}, "bandwidth_floor": floor}
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Entry point. Returns 0 on success, 2 for bad arguments. ``bench serve ...`` is the serving benchmark
     (``minivllm.bench.serve.cli``)."""
-    from minivllm.bench.report import environment_line, format_table, write_json
+    from minivllm.bench.report import environment_line, format_floor, format_table, load_line, write_json
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve"]:
@@ -227,11 +236,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(environment_line())
     print(format_table(out["results"], out["ratios"]))
+    if out["bandwidth_floor"] is not None:
+        print(format_floor(out["bandwidth_floor"]))
+    load = load_line(out["results"])
+    if load:
+        print(load)
     for peer, why in out["skipped"].items():
         print(_("(skipped {peer}: {why})").format(peer=peer, why=why))
     path = a.json or os.path.join("bench-results", time.strftime("bench-%Y%m%d-%H%M%S.json"))
     args = {k: v for k, v in vars(a).items() if k != "peer_set"}
-    write_json(path, out["results"], out["ratios"], out["workloads"], args, out["skipped"])
+    write_json(path, out["results"], out["ratios"], out["workloads"], args, out["skipped"], out["bandwidth_floor"])
     print(_("results written to {path}").format(path=path))
     return 0
 

@@ -99,6 +99,49 @@ def compute_ratios(results: Dict[str, Dict[str, List[RunResult]]], ours: str = "
     return out
 
 
+def bandwidth_floor(weight_bytes: int, bandwidth: float, decode_tok_s: Optional[float]) -> Dict:
+    """The batch-1 decode ceiling that memory bandwidth sets: a decode step of one request reads every weight
+    once (the LM head reads the tied embedding matrix whole; the KV cache of a short context is small beside it),
+    so no engine decodes faster than ``bandwidth / weight_bytes`` tokens/s on this machine.
+
+    Args:
+        weight_bytes: the model's parameters in bytes (each tensor once).
+        bandwidth: bytes/s, as ``minivllm.bench.roofline.measure_bandwidth`` measures it (a large copy).
+        decode_tok_s: minivllm's measured batch-1 decode tokens/s, or ``None``.
+    Returns ``{"weight_bytes", "bandwidth_bytes_s", "ceiling_tok_s", "decode_tok_s", "fraction"}`` (fraction of
+    the ceiling reached, ``None`` without a measurement). Raises ``ValueError`` for a weight size or bandwidth <= 0.
+    """
+    if weight_bytes <= 0 or bandwidth <= 0:
+        raise ValueError(f"weight_bytes and bandwidth must be > 0, got {weight_bytes} and {bandwidth}")
+    ceiling = bandwidth / weight_bytes
+    return {"weight_bytes": weight_bytes, "bandwidth_bytes_s": bandwidth, "ceiling_tok_s": ceiling,
+            "decode_tok_s": decode_tok_s, "fraction": decode_tok_s / ceiling if decode_tok_s else None}
+
+
+def format_floor(floor: Dict) -> str:
+    """One line: the batch-1 bandwidth ceiling and how much of it minivllm reached."""
+    line = _("batch 1: a decode step reads the {mb:.0f} MB of weights; at {gbs:.1f} GB/s (copy bandwidth, measured "
+             "now) no engine decodes more than {ceiling:.1f} tok/s here").format(
+        mb=floor["weight_bytes"] / 1e6, gbs=floor["bandwidth_bytes_s"] / 1e9, ceiling=floor["ceiling_tok_s"])
+    if floor.get("fraction") is not None:
+        line += _("; minivllm {ours:.1f} tok/s, {percent:.0f} % of it").format(
+            ours=floor["decode_tok_s"], percent=100 * floor["fraction"])
+    return line
+
+
+def load_line(results: Dict[str, Dict[str, List[RunResult]]]) -> Optional[str]:
+    """The load average (1 minute) before and after the runs, lowest and highest over every run of every system:
+    a figure measured while other work ran reads differently. ``None`` when no run recorded it."""
+    before = [r.config["loadavg_before"][0] for systems in results.values() for runs in systems.values()
+              for r in runs if "loadavg_before" in r.config]
+    after = [r.config["loadavg_after"][0] for systems in results.values() for runs in systems.values()
+             for r in runs if "loadavg_after" in r.config]
+    if not before or not after:
+        return None
+    return _("load average during the runs: {b0:.2f}-{b1:.2f} at their start, {a0:.2f}-{a1:.2f} at their end").format(
+        b0=min(before), b1=max(before), a0=min(after), a1=max(after))
+
+
 #: The CPU flags that decide which kernels and dtypes minivllm (and vLLM's CPU build) can use fast: AVX2 only means
 #: float32 matmuls at 8 lanes; AVX-512 doubles the lanes; AVX512-BF16 and AMX make bfloat16 fast.
 CPU_CLASS_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_vnni", "amx_tile", "amx_bf16")
@@ -154,8 +197,9 @@ def environment() -> Dict:
 
 
 def write_json(path: str, results: Dict[str, Dict[str, List[RunResult]]], ratios, workloads: Dict, args: Dict,
-               skipped: Optional[Dict[str, str]] = None) -> str:
-    """Write everything (environment, arguments, workloads, every run and the medians, ratios) to ``path``."""
+               skipped: Optional[Dict[str, str]] = None, bandwidth_floor: Optional[Dict] = None) -> str:
+    """Write everything (environment, arguments, workloads, every run and the medians, ratios, the batch-1
+    bandwidth floor when measured) to ``path``."""
     data = {
         "environment": environment(),
         "args": args,
@@ -167,6 +211,7 @@ def write_json(path: str, results: Dict[str, Dict[str, List[RunResult]]], ratios
         },
         "ratios": ratios,
         "skipped": skipped or {},
+        "bandwidth_floor": bandwidth_floor,
     }
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)

@@ -123,6 +123,17 @@ def test_cli_writes_every_field(tmp_path, one_thread):
     # The shared prefix was served from the cache by the run with prefix caching on.
     cached = data["results"]["prefix"]["minivllm"]["median"]["config"]
     assert cached["enable_prefix_caching"] is True
+    # The batch-1 ceiling from this machine's copy bandwidth and the tiny model's weights (issue 27).
+    floor = data["bandwidth_floor"]
+    import torch
+
+    from minivllm.model.loader import build_tiny_model
+
+    tiny = build_tiny_model(dtype=torch.float32)
+    assert floor["weight_bytes"] == 4 * sum(p.numel() for p in tiny.parameters())   # float32, each tensor once
+    assert floor["bandwidth_bytes_s"] > 1e8
+    assert floor["ceiling_tok_s"] == pytest.approx(floor["bandwidth_bytes_s"] / floor["weight_bytes"])
+    assert floor["decode_tok_s"] == data["results"]["latency"]["minivllm"]["median"]["decode_tok_s"]
 
 
 def test_cli_rejects_bad_arguments(capsys):
@@ -286,3 +297,37 @@ def test_the_table_is_printed_in_the_current_language_with_its_columns_aligned()
     finally:
         i18n.set_language("en")
     assert environment_line(env) == "machine: AMD EPYC (avx2), 2 CPUs, 1 torch threads, load average 0.50"
+
+
+def test_bandwidth_floor_and_load_lines():
+    """``bench`` prints the batch-1 ceiling that memory bandwidth sets and the load average around the runs
+    (issue 27), so that a figure can be read without its machine."""
+    from minivllm import i18n
+    from minivllm.bench.metrics import RunResult
+    from minivllm.bench.report import bandwidth_floor, format_floor, load_line
+
+    floor = bandwidth_floor(538_000_000, 17.5e9, 11.2)   # the issue's numbers: 538 MB of float32 weights
+    assert floor["ceiling_tok_s"] == pytest.approx(32.53, abs=0.01)
+    assert floor["fraction"] == pytest.approx(11.2 / 32.53, abs=1e-3)
+    assert format_floor(floor) == ("batch 1: a decode step reads the 538 MB of weights; at 17.5 GB/s (copy bandwidth, "
+                                   "measured now) no engine decodes more than 32.5 tok/s here; minivllm 11.2 tok/s, "
+                                   "34 % of it")
+    assert bandwidth_floor(538_000_000, 17.5e9, None)["fraction"] is None
+    assert "minivllm" not in format_floor(bandwidth_floor(538_000_000, 17.5e9, None))
+    with pytest.raises(ValueError, match="weight_bytes and bandwidth must be > 0"):
+        bandwidth_floor(0, 17.5e9, 1.0)
+
+    def run(before, after):
+        r = RunResult("minivllm", "latency", 1, 160, 16, 1.0, 10.0, 100.0)
+        r.config.update(loadavg_before=[before, 0, 0], loadavg_after=[after, 0, 0])
+        return r
+
+    results = {"latency": {"minivllm": [run(0.5, 1.2), run(0.9, 1.0)], "vllm": [run(1.4, 2.0)]}}
+    assert load_line(results) == "load average during the runs: 0.50-1.40 at their start, 1.00-2.00 at their end"
+    assert load_line({"latency": {"minivllm": [RunResult("minivllm", "latency", 1, 1, 1, 1.0, 1.0, 1.0)]}}) is None
+    try:
+        i18n.set_language("zh_CN")
+        assert format_floor(floor).startswith("batch 为 1：")
+        assert load_line(results).startswith("运行期间的负载均值：")
+    finally:
+        i18n.set_language("en")
