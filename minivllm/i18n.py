@@ -19,6 +19,7 @@ every message printed after the switch.
 from __future__ import annotations
 
 import gettext as _gettext
+import unicodedata
 from pathlib import Path
 from typing import Optional
 
@@ -107,6 +108,23 @@ def L_(label: str) -> str:
     ``python -m minivllm.course.i18n_catalog update`` extracts ``L_("...")`` with that context.
     """
     return label
+
+
+def text_width(text: str) -> int:
+    """Columns ``text`` takes in a terminal or a notebook's monospaced output: 2 for each wide character (Chinese),
+    1 for the others (``unicodedata.east_asian_width``)."""
+    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
+
+
+def ljust(text: str, width: int) -> str:
+    """``text`` padded with spaces to ``width`` columns (``str.ljust`` counting a Chinese character as two), so
+    that a table with translated headers or cells stays aligned; English text is padded exactly as by ``ljust``."""
+    return text + " " * max(0, width - text_width(text))
+
+
+def rjust(text: str, width: int) -> str:
+    """``text`` right-aligned in ``width`` columns, as :func:`ljust` counts them."""
+    return " " * max(0, width - text_width(text)) + text
 
 
 def _from_environment() -> Optional[str]:

@@ -6,13 +6,12 @@ import json
 import os
 import platform
 import time
-import unicodedata
 from typing import Dict, List, Optional
 
 import torch
 
 from minivllm.bench.metrics import RunResult, median_run
-from minivllm.i18n import TABLE_LABEL, L_, _, pgettext
+from minivllm.i18n import TABLE_LABEL, L_, _, ljust, pgettext, rjust, text_width
 
 # The table's column labels are English in the JSON and the code, and shown in the current language
 # (minivllm.i18n: notebook 09's Chinese edition prints this table).
@@ -29,16 +28,6 @@ COLUMNS = [
     (L_("preempt"), "num_preemptions", "{}"),
     (L_("runs"), None, "{}"),
 ]
-
-
-def _width(text: str) -> int:
-    # a Chinese label takes two columns per character in a terminal or a notebook's output
-    return sum(2 if unicodedata.east_asian_width(ch) in "WF" else 1 for ch in text)
-
-
-def _pad(text: str, width: int, right: bool) -> str:
-    fill = " " * max(width - _width(text), 0)
-    return fill + text if right else text + fill
 
 
 def _cell(value, fmt: str) -> str:
@@ -65,12 +54,12 @@ def format_table(results: Dict[str, Dict[str, List[RunResult]]], ratios: Dict[st
                 else:
                     row.append(_cell(getattr(m, attr), fmt))
             rows.append(row)
-        widths = [max(_width(r[i]) for r in rows) for i in range(len(COLUMNS))]
+        widths = [max(text_width(r[i]) for r in rows) for i in range(len(COLUMNS))]
         first = next(iter(systems.values()))[0]
         lines.append(_("== {case}: {requests} requests, {prompt_tokens} prompt tokens ==").format(
             case=case, requests=first.num_requests, prompt_tokens=first.prompt_tokens))
         for k, r in enumerate(rows):
-            lines.append("  ".join(_pad(c, w, right=i > 0) for i, (c, w) in enumerate(zip(r, widths))))
+            lines.append("  ".join(rjust(c, w) if i else ljust(c, w) for i, (c, w) in enumerate(zip(r, widths))))
             if k == 0:
                 lines.append("  ".join("-" * w for w in widths))
         for peer, ratio in ratios.get(case, {}).items():

@@ -3,7 +3,8 @@
 * ``python -m minivllm.course.i18n_catalog update``: extract every message marked ``_("...")``, ``N_("...")``
   (a constant translated where it is printed), ``ngettext("...", "...", n)`` or ``L_("...")`` (a table label,
   extracted with the gettext context ``minivllm.i18n.TABLE_LABEL``) in ``minivllm/**.py`` and in the English
-  notebooks' code cells (Babel's Python extractor, the ``pybabel extract`` one) into
+  notebooks' code cells (Babel's Python extractor, the ``pybabel extract`` one), and the scenarios' descriptions
+  in ``scenarios.json`` (:func:`data_messages`), into
   ``minivllm/locale/minivllm.pot``, then merge it into ``zh_CN/LC_MESSAGES/minivllm.po``: new messages empty,
   changed ones fuzzy with their old text as ``#| msgid``, gone ones dropped (Babel's ``Catalog.update``);
 * ``compile``: write ``minivllm.mo`` from the ``.po`` (what :mod:`minivllm.i18n` loads, with the standard
@@ -55,7 +56,19 @@ def template():
                         context=fixed_context or context)
         for location, message, comments, context in notebook_messages(keywords):
             catalog.add(message, None, [(location, 0)], auto_comments=comments, context=fixed_context or context)
+    for location, message in data_messages():
+        catalog.add(message, None, [(location, 0)])
     return catalog
+
+
+def data_messages():
+    """``(location, message)`` of the learner-facing text kept in data files rather than code: what each live-check
+    scenario shows (``scenarios.json``'s ``"shows"``, printed by ``minivllm.course.vllm_recordings.shows``)."""
+    from minivllm.bench.vllm_check import load_scenarios
+
+    for s in load_scenarios()["scenarios"]:
+        if s.get("shows"):
+            yield f"minivllm/bench/vllm_check/scenarios.json#{s['name']}", s["shows"]
 
 
 def notebook_messages(keywords=KEYWORDS):

@@ -16,9 +16,12 @@ from collections.abc import Iterator, Mapping
 from typing import Any, Dict, List, Optional, Sequence
 
 from minivllm.bench.vllm_check import compare, load_recordings, load_scenarios
-from minivllm.i18n import N_, _
+from minivllm.i18n import TABLE_LABEL, L_, N_, _, ljust, pgettext, text_width
 
 VLLM_TAG = "v0.32.0"
+# step_rows' fields as table headers, marked for the catalog (shown translated by format_rows)
+COLUMN_LABELS = (L_("step"), L_("scheduled"), L_("new"), L_("cached"), L_("resumed"), L_("preempted"), L_("finished"),
+                 L_("waiting"), L_("free_blocks"), L_("new_blocks"))
 
 
 class _Titles(Mapping):
@@ -67,6 +70,13 @@ def scenario(name: str) -> Dict[str, Any]:
     raise KeyError(f"no scenario {name!r} in scenarios.json")
 
 
+def shows(name: str) -> str:
+    """What scenario ``name`` shows (its ``"shows"`` in ``scenarios.json``), in the current language: the catalog
+    holds these descriptions (``minivllm.course.i18n_catalog.data_messages``). Raises ``KeyError`` as
+    :func:`scenario`."""
+    return _(scenario(name)["shows"])
+
+
 def run(name: str, mode: str = "v1-sync") -> Dict[str, Any]:
     """vLLM's recorded run of scenario ``name`` in ``mode`` (``{"steps": [...], "outputs": {...}}``).
 
@@ -107,7 +117,8 @@ def step_rows(steps: Sequence[Dict[str, Any]], block_id_offset: int = 0) -> List
 def format_rows(rows: Sequence[Dict[str, Any]], columns: Sequence[str] = ("scheduled", "new", "cached", "resumed",
                                                                          "preempted", "finished", "waiting",
                                                                          "free_blocks")) -> str:
-    """A fixed-width text table of ``step_rows`` output (empty lists print as ``-``)."""
+    """A fixed-width text table of ``step_rows`` output (empty lists print as ``-``); the header in the current
+    language (:data:`COLUMN_LABELS`), the columns named in English as ``step_rows`` names them."""
     def cell(v: Any) -> str:
         if isinstance(v, dict):
             return " ".join(f"{k}:{x}" for k, x in v.items()) or "-"
@@ -115,9 +126,10 @@ def format_rows(rows: Sequence[Dict[str, Any]], columns: Sequence[str] = ("sched
             return ",".join(map(str, v)) or "-"
         return str(v)
 
-    table = [["step", *columns]] + [[str(r["step"])] + [cell(r[c]) for c in columns] for r in rows]
-    widths = [max(len(t[i]) for t in table) for i in range(len(table[0]))]
-    return "\n".join("  ".join(x.ljust(w) for x, w in zip(t, widths)).rstrip() for t in table)
+    header = [pgettext(TABLE_LABEL, c) for c in ("step", *columns)]   # the column names shown translated
+    table = [header] + [[str(r["step"])] + [cell(r[c]) for c in columns] for r in rows]
+    widths = [max(text_width(t[i]) for t in table) for i in range(len(table[0]))]
+    return "\n".join("  ".join(ljust(x, w) for x, w in zip(t, widths)).rstrip() for t in table)
 
 
 def table(name: str, mode: str = "v1-sync", columns: Optional[Sequence[str]] = None) -> str:

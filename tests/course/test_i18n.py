@@ -11,7 +11,7 @@ from babel.messages.pofile import read_po
 
 from minivllm import i18n
 from minivllm.course import i18n_catalog
-from minivllm.course.exercises._harness import ljust, text_width
+from minivllm.i18n import ljust, text_width
 from minivllm.course.learner import grade as grade_mod
 from minivllm.course.learner import parts
 
@@ -102,7 +102,7 @@ def test_module_level_hints_follow_the_switch(english_after):
     chinese = parts.hints_now(part)
     assert chinese[0] != english[0] and "循环" in chinese[0]
     assert chinese[2] == english[2]  # the line to write is code: the same in both languages
-    assert "提示 1：点拨一下" in parts.hint_ladder_html(part)
+    assert "提示 1：先指个方向" in parts.hint_ladder_html(part)
     i18n.set_language("en")
     assert parts.hints_now(part) == english
 

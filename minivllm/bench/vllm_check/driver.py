@@ -32,6 +32,15 @@ from typing import Any, Callable, Dict, List, Optional
 
 MAX_STEPS = 400  # every scenario ends in well under 100 steps; a runaway loop is a bug on one side
 
+
+class StillRunning(RuntimeError):
+    """A scenario still had unfinished requests after ``MAX_STEPS`` steps (a scheduler that never admits or never
+    finishes a request). ``name`` and ``max_steps`` let a caller word the message in the learner's language."""
+
+    def __init__(self, name: str, max_steps: int) -> None:
+        super().__init__(f"{name}: still running after {max_steps} steps")
+        self.name, self.max_steps = name, max_steps
+
 LAYER_HOOKS = ("save_kv_layer", "wait_for_layer_load")
 SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",
                    "request_finished")
@@ -106,7 +115,7 @@ def run_live(scenario: Dict[str, Any], add_request: Callable[[Dict[str, Any]], N
         step()
         n += 1
         if n > MAX_STEPS:
-            raise RuntimeError(f"{scenario['name']}: still running after {MAX_STEPS} steps")
+            raise StillRunning(scenario["name"], MAX_STEPS)
     return n
 
 
@@ -181,7 +190,7 @@ def run_scripted(scenario: Dict[str, Any], adapter: Any, depth: int, log: StepLo
             inflight.append((n, so, adapter.make_output(so, sampled)))
             n += 1
             if n > MAX_STEPS:
-                raise RuntimeError(f"{scenario['name']}: still running after {MAX_STEPS} steps")
+                raise StillRunning(scenario["name"], MAX_STEPS)
         if not inflight:
             break
         i, so, mro = inflight.popleft()

@@ -11,7 +11,6 @@ Every checker in ``minivllm.course.exercises`` follows the same contract:
 from __future__ import annotations
 
 import functools
-import unicodedata
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Optional, Sequence
 
@@ -97,18 +96,6 @@ def fail(exercise: str, case: str, problem: str, hint: Optional[str] = None) -> 
     if hint:
         msg += "\n  " + _("Hint: {hint}").format(hint=hint)
     raise ExerciseFailed(msg)
-
-
-def text_width(text: str) -> int:
-    """Columns ``text`` takes in a terminal or a notebook's monospaced output: 2 for each wide character (Chinese),
-    1 for the others (``unicodedata.east_asian_width``)."""
-    return sum(2 if unicodedata.east_asian_width(c) in "WF" else 1 for c in text)
-
-
-def ljust(text: str, width: int) -> str:
-    """``text`` padded with spaces to ``width`` columns (``str.ljust`` counting a Chinese character as two), so
-    that a table with translated headers or cells stays aligned; English text is padded exactly as by ``ljust``."""
-    return text + " " * max(0, width - text_width(text))
 
 
 def hint_label() -> str:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Callable, Dict, List
 
-from minivllm.course.exercises._harness import call, checker, fail, ljust, not_written
+from minivllm.course.exercises._harness import call, checker, fail, not_written
+from minivllm.i18n import ljust
 from minivllm.course.exercises.scheduling import Workload
 from minivllm.i18n import _
 

@@ -22,8 +22,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 from minivllm.bench.vllm_check import minivllm_replay
 from minivllm.bench.vllm_check.compare import STEP_FIELDS
-from minivllm.course.exercises._harness import ljust, text_width
-from minivllm.i18n import N_, _
+from minivllm.bench.vllm_check.driver import StillRunning
+from minivllm.i18n import N_, _, ljust, text_width
 
 # The fields of a step record compared here, in the order a learner reads them (what was scheduled first).
 COMPARED_FIELDS = ("num_scheduled_tokens", "new", "resumed", "cached", "preempted", "num_computed_at_admission",
@@ -143,14 +143,19 @@ def run_steps(w: Dict[str, Any], scheduler_cls: Optional[type] = None, with_conn
     """The step records of workload ``w`` run with ``scheduler_cls`` (``None``: the reference ``Scheduler``).
 
     Without ``with_connector`` the engine has no KV connector (the scheduling lessons 04-07 have none).
-    Raises whatever the scheduler raises.
+    Raises whatever the scheduler raises, and ``RuntimeError`` (the replay's ``driver.StillRunning``, reworded in
+    the learner's language) when requests are still unfinished after ``driver.MAX_STEPS`` steps.
     """
     over: Dict[str, Any] = dict(w.get("extra_engine_kwargs", {}))
     if scheduler_cls is not None:
         over["scheduler_cls"] = scheduler_cls
     if not with_connector:
         over["kv_connector"] = None
-    return minivllm_replay.replay_scripted(w, mode, engine_overrides=over)["steps"]
+    try:
+        return minivllm_replay.replay_scripted(w, mode, engine_overrides=over)["steps"]
+    except StillRunning as e:
+        message = _("{name}: still running after {n} steps").format(name=_(e.name), n=e.max_steps)
+        raise RuntimeError(message) from None
 
 
 @dataclass

@@ -19,7 +19,7 @@ import textwrap
 import time
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from minivllm.course.exercises._harness import ljust, text_width
+from minivllm.i18n import ljust, text_width
 from minivllm.course.learner import cells as _cells
 from minivllm.course.learner.parts import Part, hints_now, load_all, run_check
 from minivllm.i18n import N_, _, set_language

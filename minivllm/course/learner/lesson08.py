@@ -40,7 +40,7 @@ from collections import OrderedDict
 from contextlib import contextmanager
 from typing import Any, Dict, Iterator, List, Optional, Set, Tuple
 
-from minivllm.course.exercises._harness import ljust
+from minivllm.i18n import ljust
 from minivllm.course.learner.compare import display_name
 from minivllm.course.learner.parts import NotWritten, Part, PartFailed, not_written_message, register
 from minivllm.i18n import N_, _

@@ -22,7 +22,7 @@ import importlib
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from minivllm.course.exercises._harness import ljust
+from minivllm.i18n import ljust
 from minivllm.course.learner import cells as _cells
 from minivllm.course.learner.parts import load_all, run_check
 from minivllm.i18n import _

@@ -153,7 +153,7 @@ def _preemptions(trace: SchedulerTrace, k: int, s: StepRecord) -> List[Reason]:
                   request=r, blocks=" ".join(map(str, b))) for r, b in s.new_block_ids.items() if b and r in start]
     need = _("a running request needed a new KV block and none was free")
     if new_blocks:
-        need += _(" ({blocks} in this step)").format(blocks="; ".join(new_blocks))
+        need += _(" ({blocks} in this step)").format(blocks=_("; ").join(new_blocks))
     out = []
     remaining = list(start)
     if s.policy == "priority":

@@ -294,11 +294,12 @@ def _why(trace: SchedulerTrace, k: int) -> str:
 
 def _next(trace: SchedulerTrace, k: int) -> str:
     parts = []
+    colon = _(": ")   # a full-width colon after a Chinese label
     for kind in EVENT_KINDS:
         j = next_event(trace, k, kind)
         label = _(NEXT_LABELS[kind])
         where = "&ndash;" if j is None else _("step {step}").format(step=j)
-        parts.append(f'{label}: <span data-next="{kind}" data-step="{"" if j is None else j}">{where}</span>')
+        parts.append(f'{label}{colon}<span data-next="{kind}" data-step="{"" if j is None else j}">{where}</span>')
     return f'<div class="mv-next">{" &middot; ".join(parts)}</div>'
 
 
