@@ -98,7 +98,7 @@ def test_figures_draw_chinese_labels_with_the_cjk_font(trace):
     ax = plot_timeline(trace)
     assert ax.get_title() == "每个请求在每一步做了什么"
     assert (ax.get_xlabel(), ax.get_ylabel()) == ("引擎步", "请求")
-    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["不在引擎中", "等待", "预填充分块", "解码", "被抢占"]
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["不在引擎中", "等待", "预填充", "解码", "被抢占"]
     assert matplotlib.rcParams["font.family"][-1] == fonts.FONT_NAME
     fig, change = plot_preemption(trace)
     texts = {t.get_text() for a in fig.axes for t in a.texts}

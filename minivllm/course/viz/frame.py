@@ -202,12 +202,13 @@ def _budget(s: StepRecord, colors: Dict[str, str]) -> str:
     budget = max(s.token_budget, 1)
     used = s.total_scheduled
     segments = []
+    colon = _(": ")
     for rid, n in s.num_scheduled_tokens.items():
         color = colors.get(rid, "#777777")
         background = _stripes(color) if s.kinds[rid] == "prefill" else color
         segments.append(
             f'<div class="mv-seg" data-request-id="{_attr(rid)}" data-kind="{s.kinds[rid]}" data-tokens="{n}" '
-            f'title="{_attr(rid)}: {s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
+            f'title="{_attr(rid)}{colon}{s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
             f'background:{background}"></div>'
         )
     seqs = (_(" &middot; running {running} / max_num_seqs {max_num_seqs}").format(
@@ -328,8 +329,9 @@ def _block_table(s: StepRecord, rid: str, color: str) -> str:
         filled.append(f"<td>{'' if n is None else f'{n}/{bs}'}</td>")
     note = _("amber = given to it in this step (a new block, or its whole table when admitted); * = shared with "
              "another request (a prefix-cache hit); tokens = slots whose KV is written by the end of this step")
+    note = _("({text})").format(text=note)   # full-width brackets around Chinese
     return (
-        head + f'<span class="mv-dim">({note})</span></div><table><tr>{"".join(logical)}</tr>'
+        head + f'<span class="mv-dim">{note}</span></div><table><tr>{"".join(logical)}</tr>'
         f'<tr>{"".join(physical)}</tr><tr>{"".join(filled)}</tr></table></div>'
     )
 

@@ -105,7 +105,8 @@ def draw_frame(
                                hatch="////" if prefill else None, linewidth=1, gid=f"budget:{rid}"))
         x += w
     if 0 < used < budget / 3:  # a mostly empty bar: name what the few tokens are, after the segments
-        what = ", ".join(f"{rid}: {s.kinds[rid]} +{n}" for rid, n in s.num_scheduled_tokens.items() if n > 0)
+        colon = _(": ")
+        what = _(", ").join(f"{rid}{colon}{s.kinds[rid]} +{n}" for rid, n in s.num_scheduled_tokens.items() if n > 0)
         if len(what) * 0.085 < _W - x - 0.2:
             ax.text(x + 0.12, y - 0.15, what, fontsize=7.5, va="center", color="#444")
     y -= 0.55
