@@ -394,6 +394,12 @@ def _clock(minutes: int) -> str:
     return f"{minutes // 60}:{minutes % 60:02d}"
 
 
+class SegmentNotes(str):
+    """The markdown of a run-sheet segment's speaker notes (``lecture_notes``): a ``str`` that says it is one, so
+    that ``add_notes`` carries it over to the segment's later screens in either language (the Chinese run sheets'
+    label is 第 k 个环节, not Segment k). Any string operation on it gives a plain ``str``."""
+
+
 def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
     """Speaker notes for the decks, from the lectures' run sheets: ``notebook stem -> [(anchor, markdown)]``.
 
@@ -403,7 +409,9 @@ def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
     notebooks, headed with its place in the lecture (segment k of n, minutes, clock time); the row's other cited
     headings get it again, marked as continued. The title slide of each of the lecture's decks gets the run
     sheet's preamble (goal, before class) and the segment table, and the first deck's title also the segments that
-    cite none of the lecture's notebooks (a recap of an earlier lecture, a title-slide opening).
+    cite none of the lecture's notebooks (a recap of an earlier lecture, a title-slide opening). A segment's
+    markdown is a ``SegmentNotes``; the overview a plain ``str``. The labels are in the current language
+    (``minivllm.i18n``).
 
     Raises:
         FileNotFoundError: a lecture's run sheet is missing.
@@ -430,13 +438,14 @@ def lecture_notes(lectures_dir: Path = LECTURES_DIR) -> Dict[str, List[tuple]]:
                 end=_clock(g["start"] + g["minutes"]), title=title)
             mine = [(nb, h) for nb, h in g["cited"] if nb in own]
             if not mine:
-                notes[lecture[0]].append((None, f"{where}\n\n{g['body']}"))
+                notes[lecture[0]].append((None, SegmentNotes(f"{where}\n\n{g['body']}")))
                 continue
             first = mine[0]
-            notes[own[first[0]]].append((first[1], f"{where}\n\n{g['body']}"))
+            notes[own[first[0]]].append((first[1], SegmentNotes(f"{where}\n\n{g['body']}")))
             for nb, h in dict.fromkeys(mine[1:]):
                 if (nb, h) != first:
-                    notes[own[nb]].append((h, _("{where}, continued").format(where=where) + f"\n\n{g['body']}"))
+                    continued = _("{where}, continued").format(where=where) + f"\n\n{g['body']}"
+                    notes[own[nb]].append((h, SegmentNotes(continued)))
     return notes
 
 
@@ -456,7 +465,9 @@ def add_notes(nb, notes: Sequence[tuple], name: str = "notebook") -> None:
     (``None``: after the title cell), so that nbconvert puts it in that slide's ``<aside class="notes">``. A screen
     with no run-sheet notes of its own after the first segment's (a subslide, an uncited section) gets the notes
     of the segment before it, marked as continued: the speaker view shows notes for the current screen only, and
-    the lecturer on the demo's third screen still needs its questions.
+    the lecturer on the demo's third screen still needs its questions. A segment's notes are the
+    ``SegmentNotes`` of ``notes`` (whatever the language of their text); the "continued" label is in the current
+    language (``minivllm.i18n``).
 
     Raises:
         KeyError: an anchor that no cell of the notebook holds (a run sheet citing a heading that was renamed).
@@ -478,7 +489,7 @@ def add_notes(nb, notes: Sequence[tuple], name: str = "notebook") -> None:
 
     for i in sorted(inserts, reverse=True):
         texts = inserts[i]
-        nb.cells.insert(i + 1, notes_cell("\n\n---\n\n".join(texts), any(t.startswith("**Segment") for t in texts)))
+        nb.cells.insert(i + 1, notes_cell("\n\n---\n\n".join(texts), any(isinstance(t, SegmentNotes) for t in texts)))
     # screens: runs of cells from a slide/subslide cell to the next
     starts = [i for i, c in enumerate(nb.cells)
               if c.metadata.get("slideshow", {}).get("slide_type") in ("slide", "subslide")]
@@ -491,11 +502,29 @@ def add_notes(nb, notes: Sequence[tuple], name: str = "notebook") -> None:
             carry = own[-1].source.split("\n\n---\n\n")[-1]
         elif carry is not None:
             filled.append(start)
+    continued = _("*(continued from an earlier slide)*")
     for start in reversed(filled):
         # the carry of the screen at ``start``: the last segment notes before it
         before = [c for c in nb.cells[:start] if c.metadata.get("minivllm_segment_notes")]
         text = before[-1].source.split("\n\n---\n\n")[-1]
-        nb.cells.insert(start + 1, notes_cell(f"*(continued from an earlier slide)* {text}", False))
+        nb.cells.insert(start + 1, notes_cell(f"{continued} {text}", False))
+
+
+def cut_deck(nb, name: str) -> None:
+    """Replace the cells of the notebook node ``nb`` (in memory) by the parts the export shows, each with its slide
+    type in its metadata (``part_slide_types``, with the budget of the deck ``name`` when it is one of
+    ``SLIDE_NOTEBOOKS``): a heading inside a cell opens its own slide in the export."""
+    import nbformat
+
+    shown: list = []
+    seen: set = set()
+    for i, part, t in part_slide_types(nb.cells, slide_budget(name) if name in SLIDE_NOTEBOOKS else None):
+        part = nbformat.from_dict(dict(part, metadata=dict(part.get("metadata", {}), slideshow={"slide_type": t})))
+        if i in seen and "id" in part:
+            part["id"] = f"{part['id']}-{len(shown)}"  # cell ids stay unique
+        seen.add(i)
+        shown.append(part)
+    nb.cells = shown
 
 
 # ---- export ---------------------------------------------------------------------------------------------------
@@ -577,46 +606,48 @@ def export(out: Path = DEFAULT_OUT, names: Iterable[str] = SLIDE_NOTEBOOKS,
     c.SlidesExporter.reveal_height = "800"
     exporter = SlidesExporter(config=c)
     # The Chinese decks take their speaker notes from the Chinese run sheets (lectures/zh-CN/), which cite the
-    # Chinese headings; their labels ("Segment k of n") in Chinese too.
+    # Chinese headings; their labels ("Segment k of n", "continued from an earlier slide") and the index page are
+    # in Chinese too: the language is Chinese while they are made.
     before = get_language()
     if chinese:
         set_language("zh_CN")
     try:
         notes = lecture_notes(LECTURES_DIR / "zh-CN" if chinese else LECTURES_DIR)
+        written: Dict[str, Path] = {}
+        for p in paths:
+            nb = nbformat.read(p, as_version=4)
+            cut_deck(nb, p.stem)
+            add_notes(nb, notes.get(p.stem, []), p.stem)
+            body, _resources = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
+            # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
+            body = re.sub(r'src="(\.\./)+images/', 'src="images/', body)
+            # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
+            body = body.replace("</head>", f"<style>{FRAME_CSS_SLIDES}</style>\n</head>", 1)
+            remote = check_offline(body)
+            if remote:
+                raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
+            f = out / f"{p.stem}.slides.html"
+            f.write_text(body, encoding="utf-8")
+            written[p.stem] = f
+        write_index(out, written, "zh-CN" if chinese else "en")
     finally:
         set_language(before)
-    written: Dict[str, Path] = {}
-    for p in paths:
-        nb = nbformat.read(p, as_version=4)
-        # the slides as the rule cuts them: a heading inside a cell opens its own slide in the export
-        shown: list = []
-        seen: set = set()
-        for i, part, t in part_slide_types(nb.cells, slide_budget(p.stem) if p.stem in SLIDE_NOTEBOOKS else None):
-            part = nbformat.from_dict(dict(part, metadata=dict(part.get("metadata", {}), slideshow={"slide_type": t})))
-            if i in seen and "id" in part:
-                part["id"] = f"{part['id']}-{len(shown)}"  # cell ids stay unique
-            seen.add(i)
-            shown.append(part)
-        nb.cells = shown
-        add_notes(nb, notes.get(p.stem, []), p.stem)
-        body, _resources = exporter.from_notebook_node(nb, resources={"metadata": {"name": p.stem}})
-        # the notebooks show the course figures as ../images/NAME.png: the export carries them in <out>/images
-        body = re.sub(r'src="(\.\./)+images/', 'src="images/', body)
-        # the queue animator's slides layout (larger text, blocks and controls), after nbconvert's own styles
-        body = body.replace("</head>", f"<style>{FRAME_CSS_SLIDES}</style>\n</head>", 1)
-        remote = check_offline(body)
-        if remote:
-            raise RuntimeError(f"{p.name}: the exported slides load from the network: {remote[:3]}")
-        f = out / f"{p.stem}.slides.html"
-        f.write_text(body, encoding="utf-8")
-        written[p.stem] = f
-    links = "\n".join(f'<li><a href="{f.name}">{html.escape(stem)}</a></li>' for stem, f in written.items())
-    (out / "index.html").write_text(
-        f"<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\"><title>minivllm slides</title></head>\n"
-        f"<body><h1>minivllm: lecture slides</h1>\n<ul>\n{links}\n</ul>\n"
-        f"<p>Arrow keys move between slides, <kbd>s</kbd> opens the speaker notes, <kbd>Esc</kbd> the overview."
-        f"</p></body></html>\n", encoding="utf-8")
     return written
+
+
+def write_index(out: Path, written: Dict[str, Path], lang: str = "en") -> Path:
+    """Write ``out/index.html``, a page linking the decks ``written`` (``notebook stem -> HTML file``, in that
+    order), its text in the current language (``minivllm.i18n``), ``lang`` its ``<html lang>``. Returns its
+    path."""
+    links = "\n".join(f'<li><a href="{f.name}">{html.escape(stem)}</a></li>' for stem, f in written.items())
+    title = html.escape(_("minivllm: lecture slides"))
+    keys = _("Arrow keys move between slides, {s} opens the speaker notes, {esc} the overview.").format(
+        s="<kbd>s</kbd>", esc="<kbd>Esc</kbd>")
+    page = Path(out) / "index.html"
+    page.write_text(
+        f"<!DOCTYPE html>\n<html lang=\"{html.escape(lang)}\"><head><meta charset=\"utf-8\"><title>{title}</title>"
+        f"</head>\n<body><h1>{title}</h1>\n<ul>\n{links}\n</ul>\n<p>{keys}</p></body></html>\n", encoding="utf-8")
+    return page
 
 
 def main(argv: Optional[List[str]] = None) -> int:

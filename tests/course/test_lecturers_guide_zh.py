@@ -9,7 +9,7 @@ command) that is not carried into the Chinese one fails here:
 * every number of an English section (study times, rates, counts, ports, limits) occurs in the Chinese section at
   least as often, and every number of an English table row in the Chinese row;
 * the same code blocks (comments may be translated) and the same inline code, a ``notebooks/`` path allowed to
-  name its Chinese edition (``notebooks/zh-CN/...``);
+  name its Chinese edition (``notebooks/zh-CN/...``), an ``images/`` figure its Chinese one (``images/zh-CN/...``);
 * the two guides link each other at their top; a link to a notebook goes to the Chinese edition; the lecture
   lecture files it links are the Chinese ones (lectures/zh-CN/) or marked 英文; every relative link resolves;
 * the glossary's forbidden forms (块 for a chunk, 令牌 for token, ...) do not occur.
@@ -164,8 +164,8 @@ def test_the_same_code(index):
     (h_en, b_en), (h_zh, b_zh) = PAIRS[index]
     assert code_blocks(b_zh) == code_blocks(b_en), f"{h_zh}: code blocks differ from {h_en}'s"
     zh = inline_code(b_zh)
-    missing = [c for c in inline_code(b_en) if c not in zh and c.replace("notebooks/", "notebooks/zh-CN/") not in zh
-               and c.replace("lectures/", "lectures/zh-CN/") not in zh]
+    chinese = (("notebooks/", "notebooks/zh-CN/"), ("lectures/", "lectures/zh-CN/"), ("images/", "images/zh-CN/"))
+    missing = [c for c in inline_code(b_en) if c not in zh and all(c.replace(a, b) not in zh for a, b in chinese)]
     assert not missing, f"{h_zh} lacks the inline code {missing} of {h_en}"
 
 

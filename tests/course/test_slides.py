@@ -1,5 +1,6 @@
 """The lecture notebooks' slide metadata follows the rule in ``minivllm.course.slides``, and the rule does what its
-docstring says. Seconds: nothing is exported here (``test_slides_browser.py`` exports and plays the slides)."""
+docstring says. Seconds: only deck 04 is exported here, in each edition, for the index page, with empty stand-ins
+for the npm packages (``test_slides_browser.py`` exports and plays the slides)."""
 
 from __future__ import annotations
 
@@ -201,7 +202,8 @@ def test_add_notes_places_notes_and_continues_them_on_later_screens():
     nb.cells = [nbformat.from_dict(dict(c, metadata={"slideshow": {"slide_type": t}})) for c, t in [
         (md("# T"), "slide"), (md("## 1. One"), "slide"), (md("text"), "-"), (md("more"), "subslide"),
         (md("## 2. Two"), "slide")]]
-    slides.add_notes(nb, [(None, "overview"), ("1. One", "**Segment 1 of 2 · 5 min · 0:00-0:05** x")])
+    segment = slides.SegmentNotes("**Segment 1 of 2 · 5 min · 0:00-0:05** x")
+    slides.add_notes(nb, [(None, "overview"), ("1. One", segment)])
     kinds = [(c.metadata["slideshow"]["slide_type"], c.source[:24]) for c in nb.cells]
     assert kinds == [("slide", "# T"), ("notes", "overview"), ("slide", "## 1. One"),
                      ("notes", "**Segment 1 of 2 · 5 min"), ("-", "text"), ("subslide", "more"),
@@ -209,3 +211,83 @@ def test_add_notes_places_notes_and_continues_them_on_later_screens():
                      ("notes", "*(continued from an earl")]
     with pytest.raises(KeyError, match="renamed|no cell"):
         slides.add_notes(nb, [("9. Gone", "x")], "nb")
+
+
+def _deck_with_notes(stem, chinese):
+    """The deck ``stem`` as ``export`` builds it, in memory: cut into its slides, with the speaker notes of its
+    edition's run sheets in that edition's language. Returns its cells."""
+    import nbformat
+
+    from minivllm.i18n import get_language, set_language
+
+    before = get_language()
+    set_language("zh_CN" if chinese else "en")
+    try:
+        notes = slides.lecture_notes(slides.LECTURES_DIR / "zh-CN" if chinese else slides.LECTURES_DIR)
+        nb = nbformat.read(slides.NOTEBOOKS_DIR / ("zh-CN" if chinese else "") / f"{stem}.ipynb", as_version=4)
+        slides.cut_deck(nb, stem)
+        slides.add_notes(nb, notes.get(stem, []), stem)
+    finally:
+        set_language(before)
+    return nb.cells
+
+
+def _screens(cells):
+    """``[(segment notes, carried-over notes)]`` for each screen (a slide or subslide and the cells up to the next)
+    of a deck built by ``_deck_with_notes``: how many notes cells of each kind it holds."""
+    screens = []
+    for c in cells:
+        t = c.metadata.get("slideshow", {}).get("slide_type")
+        if t in ("slide", "subslide"):
+            screens.append([0, 0])
+        elif t == "notes" and "minivllm_segment_notes" in c.metadata and screens:
+            screens[-1][0 if c.metadata["minivllm_segment_notes"] else 1] += 1
+    return [tuple(s) for s in screens]
+
+
+@pytest.mark.parametrize("stem", ["04_continuous_batching", "06_preemption"])
+def test_chinese_decks_carry_segment_notes_over_as_the_english_do(stem):
+    """A screen of a deck without run-sheet notes of its own, after the first segment's, gets the notes of the
+    segment before it (``add_notes``), in the Chinese decks as in the English: the Chinese run sheets label a
+    segment 第 k 个环节, and the carried-over notes say so in Chinese."""
+    en, zh = _deck_with_notes(stem, False), _deck_with_notes(stem, True)
+    for cells in (en, zh):
+        screens = _screens(cells)
+        first = next((k for k, (own, _) in enumerate(screens) if own), None)
+        assert first is not None, (stem, "no screen holds a segment's notes", screens)
+        assert all(own or carried for own, carried in screens[first:]), (stem, screens)
+        assert sum(carried for _, carried in screens) >= 2, (stem, screens)  # these decks have screens to fill
+    assert len(_screens(zh)) == len(_screens(en)), stem  # the same cut, so the same notes on the same screens
+    assert _screens(zh) == _screens(en), stem
+    carried = [c.source for c in zh if c.metadata.get("minivllm_segment_notes") is False]
+    assert carried and all(s.startswith("*（接前面的幻灯片）*") and "**第 " in s for s in carried), carried[:1]
+
+
+def test_chinese_index_page_is_chinese(tmp_path):
+    """``export`` of the Chinese decks writes an index page in Chinese (``<html lang="zh-CN">``, title, heading,
+    the keys line), the English decks' page stays English. The npm packages are stood in for by empty files:
+    only the page is checked here."""
+    from minivllm.i18n import get_language
+
+    modules = tmp_path / "node_modules"
+    for src, _ in slides.ASSETS:
+        path = modules / src
+        if src.endswith(".js"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text("")
+        else:
+            path.mkdir(parents=True)
+    pages = {}
+    for edition, folder in (("en", None), ("zh-CN", slides.NOTEBOOKS_DIR / "zh-CN")):
+        out = tmp_path / edition
+        written = slides.export(out, ["04_continuous_batching"], modules, folder)
+        pages[edition] = (out / "index.html").read_text(encoding="utf-8")
+        assert f'href="{written["04_continuous_batching"].name}"' in pages[edition]
+    assert get_language() == "en"  # export sets the language back
+    assert '<html lang="en">' in pages["en"] and "minivllm: lecture slides" in pages["en"]
+    zh = pages["zh-CN"]
+    assert '<html lang="zh-CN">' in zh, zh
+    for tag in ("title", "h1", "p"):
+        shown = re.sub(r"<[^>]+>", "", re.search(f"<{tag}>(.*?)</{tag}>", zh, re.S).group(1))
+        assert re.search("[\u4e00-\u9fff]{2}", shown) and not re.search("lecture|slides|Arrow|notes", shown), shown
+    assert "<kbd>s</kbd>" in zh and "<kbd>Esc</kbd>" in zh
