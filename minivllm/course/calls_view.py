@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import ipywidgets as widgets
 
 from minivllm.course.recording_connector import format_call
-from minivllm.i18n import _
+from minivllm.i18n import TABLE_LABEL, L_, _, pgettext
 
 _CELL = "padding:1px 8px;border-bottom:1px solid #ddd;text-align:left;font-family:monospace;font-size:12px"
 
@@ -32,8 +32,9 @@ def connector_calls_html(calls: List[Dict[str, Any]], step: int) -> str:
         rows.append((d["side"], f"{d['call']}: {format_call(d)}"))
     if layers:
         rows.append(("worker", _("save_kv_layer × {n} (after each layer)").format(n=len(layers))))
+    shown = {side: pgettext(TABLE_LABEL, side) for side in (L_("scheduler"), L_("worker"))}   # English: unchanged
     body = "".join(
-        f"<tr><td style='{_CELL};color:{'#1565c0' if side == 'scheduler' else '#6a1b9a'}'>{side}</td>"
+        f"<tr><td style='{_CELL};color:{'#1565c0' if side == 'scheduler' else '#6a1b9a'}'>{shown.get(side, side)}</td>"
         f"<td style='{_CELL}'>{escape(text)}</td></tr>"
         for side, text in rows
     ) or f"<tr><td style='{_CELL}'>" + _("no calls") + "</td></tr>"
