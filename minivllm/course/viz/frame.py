@@ -208,7 +208,7 @@ def _budget(s: StepRecord, colors: Dict[str, str]) -> str:
         background = _stripes(color) if s.kinds[rid] == "prefill" else color
         segments.append(
             f'<div class="mv-seg" data-request-id="{_attr(rid)}" data-kind="{s.kinds[rid]}" data-tokens="{n}" '
-            f'title="{_attr(rid)}{colon}{s.kinds[rid]} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
+            f'title="{_attr(rid)}{colon}{_(KIND_LABELS[s.kinds[rid]])} {n}" style="flex:0 0 {100 * n / budget:.3f}%; '
             f'background:{background}"></div>'
         )
     seqs = (_(" &middot; running {running} / max_num_seqs {max_num_seqs}").format(
@@ -238,6 +238,8 @@ def _events(s: StepRecord) -> str:
 
 
 _CHANGES_LEGEND = N_("; amber outline = taken, red = freed since the step before")
+KIND_LABELS = {"prefill": N_("prefill"), "decode": N_("decode")}
+"""A step's kind for a request (``StepRecord.kinds``) as the frames write it: ``_(KIND_LABELS[kind])``."""
 
 
 def _blocks(s: StepRecord, colors: Dict[str, str], max_blocks: int, changes: Optional[StepChanges] = None) -> str:

@@ -15,7 +15,7 @@ from matplotlib.patches import Rectangle
 from minivllm.course.trace import SchedulerTrace
 from minivllm.course.viz.colors import CACHED_FREE_COLOR, FREE_COLOR, owner_colors, text_color
 from minivllm.course.viz.fonts import use_language_font
-from minivllm.course.viz.frame import RUNNING_TITLE, WAITING_TITLE
+from minivllm.course.viz.frame import KIND_LABELS, RUNNING_TITLE, WAITING_TITLE
 from minivllm.i18n import _
 
 _W = 12.0  # drawing width in data units
@@ -106,7 +106,8 @@ def draw_frame(
         x += w
     if 0 < used < budget / 3:  # a mostly empty bar: name what the few tokens are, after the segments
         colon = _(": ")
-        what = _(", ").join(f"{rid}{colon}{s.kinds[rid]} +{n}" for rid, n in s.num_scheduled_tokens.items() if n > 0)
+        what = _(", ").join(f"{rid}{colon}{_(KIND_LABELS[s.kinds[rid]])} +{n}"
+                            for rid, n in s.num_scheduled_tokens.items() if n > 0)
         if len(what) * 0.085 < _W - x - 0.2:
             ax.text(x + 0.12, y - 0.15, what, fontsize=7.5, va="center", color="#444")
     y -= 0.55
