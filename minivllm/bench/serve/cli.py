@@ -24,6 +24,8 @@ import time
 from dataclasses import asdict
 from typing import Dict, List, Optional, Sequence, Tuple
 
+from minivllm.i18n import TABLE_LABEL, L_, _, pgettext, rjust
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_VOCAB, TINY_VOCAB = 49152, 512
@@ -245,13 +247,14 @@ def format_summary(rows: List[dict]) -> str:
     def cell(v, nd=0):
         return "-" if v is None else f"{v['median']:.{nd}f} ({v['min']:.{nd}f}-{v['max']:.{nd}f})"
 
-    lines = [f"{'target':>9} {'rate':>5} {'output tok/s':>20} {'p99 TTFT ms':>22} {'p50 ITL ms':>18} "
-             f"{'p99 E2EL ms':>22} {'goodput req/s':>18}"]
+    header = [(L_("target"), 9), (L_("rate"), 5), (L_("output tok/s"), 20), (L_("p99 TTFT ms"), 22),
+              (L_("p50 ITL ms"), 18), (L_("p99 E2EL ms"), 22), (L_("goodput req/s"), 18)]
+    lines = [" ".join(rjust(pgettext(TABLE_LABEL, name), width) for name, width in header)]
     for r in rows:
         lines.append(f"{r['target']:>9} {r['request_rate']:>5g} {cell(r['output_tok_s']):>20} "
                      f"{cell(r['ttft_p99_ms']):>22} {cell(r['itl_p50_ms']):>18} {cell(r['e2el_p99_ms']):>22} "
                      f"{cell(r['goodput_req_s'], 2):>18}")
-    return "\n".join(lines) + "\n(median over repeats, min-max in brackets)"
+    return "\n".join(lines) + "\n" + _("(median over repeats, min-max in brackets)")
 
 
 def run_benchmark(a) -> Dict:
@@ -274,7 +277,7 @@ def run_benchmark(a) -> Dict:
         for t in targets:  # warm-up: kernels, allocators, first-request paths
             if a.warmup:
                 n = min(a.warmup, wl.num_requests)
-                outs, _ = asyncio.run(run_load(t["base_url"], t["model"], wl.prompts[:n], [4] * n, [0.0] * n,
+                outs, _elapsed = asyncio.run(run_load(t["base_url"], t["model"], wl.prompts[:n], [4] * n, [0.0] * n,
                                                t["api_key"]))
                 bad = [o.error for o in outs if not o.success]
                 if bad:
@@ -333,12 +336,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     print()
     print(format_summary(out["summary"]))
     for peer, why in out["skipped"].items():
-        print(f"(skipped {peer}: {why.splitlines()[0]})")
+        print(_("(skipped {peer}: {why})").format(peer=peer, why=why.splitlines()[0]))
     os.makedirs(os.path.dirname(os.path.abspath(a.json)), exist_ok=True)
     with open(a.json, "w") as f:
         json.dump(out, f, indent=1, default=lambda x: asdict(x) if hasattr(x, "__dataclass_fields__") else str(x))
     from minivllm.bench.serve.plot import plot_latency_vs_rate
 
     plot_latency_vs_rate(out["summary"], a.plot)
-    print(f"results written to {a.json}, plot to {a.plot}")
+    print(_("results written to {json}, plot to {plot}").format(json=a.json, plot=a.plot))
     return 0 if all(r["metrics"]["failed"] == 0 for r in out["runs"]) else 1
