@@ -9,6 +9,13 @@ VENV=${MINIVLLM_VENV:-.venv}
 PY=${PYTHON:-python3}
 export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 
+reference() {
+  # The course runs float32 on the exact reference, PyTorch's operators (minivllm/envs.py): its checked outputs are
+  # compared bit for bit on every CPU class, and the live check compares tokens with vLLM's. LLM(), serve and bench
+  # take the faster kernels. An explicit MINIVLLM_CPU_KERNELS_FP32 wins.
+  export MINIVLLM_CPU_KERNELS_FP32=${MINIVLLM_CPU_KERNELS_FP32:-0}
+}
+
 install() {
   # Skipped when .venv was made from these very requirements (a stamp of their hash), so that a second command,
   # or two commands at once, never re-run pip over a venv that is in use.
@@ -99,6 +106,7 @@ case "${1:-}" in
   install) install ;;
   lab)
     install
+    reference
     shift
     root_flag=()
     [ "$(id -u)" = 0 ] && root_flag=(--allow-root)   # Jupyter refuses to run as root without it
@@ -106,6 +114,7 @@ case "${1:-}" in
     ;;
   test)
     install
+    reference
     install_browser
     install_graphviz
     install_node
@@ -121,6 +130,7 @@ case "${1:-}" in
       --nbval --nbval-current-env --nbval-sanitize-with notebooks/sanitize.cfg "$@"
     ;;
   grade)
+    reference
     # The learner's engine parts, read from their saved notebooks, checked against the reference (hidden
     # workloads included): a progress table per lesson; --hints N shows more hints; --solutions grades
     # notebooks/solutions/. Exit status 0 when every graded part passes.
@@ -129,6 +139,7 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m minivllm.course.grade "$@"
     ;;
   slides)
+    reference
     # The lecture notebooks as reveal.js slides in build/slides/ (open build/slides/index.html; no network needed),
     # and the Chinese edition's in build/slides/zh-CN/.
     install
@@ -141,6 +152,7 @@ case "${1:-}" in
     exec "$VENV/bin/python" -m minivllm bench "$@"
     ;;
   figures)
+    reference
     install_graphviz
     exec "$VENV/bin/python" -m minivllm figures
     ;;
@@ -153,6 +165,7 @@ case "${1:-}" in
     exec "$py" -m minivllm.bench.gpu_check "$@"
     ;;
   vllm-check)
+    reference
     # Replays the scheduling scenarios on real vLLM and on minivllm, step by step: vLLM 0.32 (the CPU build, own
     # venv: its engine and its scheduler) and vLLM 0.33 (its scheduler, own venv).
     install

@@ -125,9 +125,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     c.add_argument("--system", default=None, help="a system prompt")
     _engine_args(c)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server (like vllm serve)",
-                       epilog="On a CPU, MINIVLLM_CPU_KERNELS_FP32=1 runs float32 through minivllm's kernels and "
-                              "packed oneDNN weights, as vLLM's CPU build does (faster; not bit-identical to the "
-                              "float32 reference).")
+                       epilog="On a CPU, float32 runs through minivllm's kernels and packed oneDNN weights, as "
+                              "vLLM's CPU build does; MINIVLLM_CPU_KERNELS_FP32=0 chooses the exact float32 "
+                              "reference (PyTorch's operators: slower, bit for bit what the course checks).")
     s.add_argument("model", nargs="?", default=None,
                    help="a .gguf file, a Hugging Face folder or 'tiny' (default: SmolLM2-135M-Instruct)")
     s.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])

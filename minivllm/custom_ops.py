@@ -1,7 +1,7 @@
 """The engine's own CPU kernels (``minivllm/csrc``), compiled on first use, and their Python entry points (vLLM:
 ``vllm/_custom_ops.py`` over ``csrc/cpu``).
 
-Six operators, each replacing several PyTorch operators of one decoder layer:
+Seven operators, each replacing one or several PyTorch operators of one decoder layer:
 
 * ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
   cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
@@ -10,15 +10,17 @@ Six operators, each replacing several PyTorch operators of one decoder layer:
 * ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
 * ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
 * ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
+* ``skinny_gemm``: a float32 linear layer for one row of activations, the batch-1 decode's matrix-vector products,
+  with the output rows split across the threads (``csrc/skinny_gemm.cpp``).
 
 They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
-the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU. Float32 stays
-on the PyTorch operators by default: it is the exact reference the course compares against Hugging Face token for
-token. ``MINIVLLM_CPU_KERNELS_FP32=1`` runs float32 through the decode attention, RMSNorm and RoPE kernels as
-well, as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ from the reference in
-the last bits (sums in another order). ``silu_and_mul`` has a float32 path but the model does not call it in
-float32 (slower than PyTorch's SiLU on AVX2: ``SiluAndMul``), and ``paged_attention_prefill`` is bfloat16-only.
+the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU, and for float32
+too by default (``MINIVLLM_CPU_KERNELS_FP32``, default ``1``: decode attention, RMSNorm, RoPE, SiLU-and-mul and
+the batch-1 linear layers), as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ
+from PyTorch's operators in the last bits (sums in another order). ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps float32 on
+those operators, the exact reference the course compares bit for bit and token for token against Hugging Face
+(``./course.sh`` and the test suite choose it). ``paged_attention_prefill`` is bfloat16-only.
 If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
@@ -42,7 +44,7 @@ from minivllm import envs
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp",
-           "torch_bindings.cpp"]
+           "skinny_gemm.cpp", "torch_bindings.cpp"]
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]
@@ -130,7 +132,8 @@ def build_error() -> Optional[str]:
 
 
 def kernel_dtypes() -> tuple:
-    """The dtypes a model runs through these kernels: bfloat16, and float32 when ``MINIVLLM_CPU_KERNELS_FP32=1``."""
+    """The dtypes a model runs through these kernels: bfloat16, and float32 unless ``MINIVLLM_CPU_KERNELS_FP32=0``
+    (the exact reference)."""
     return (torch.bfloat16, torch.float32) if envs.MINIVLLM_CPU_KERNELS_FP32 else (torch.bfloat16,)
 
 
@@ -232,6 +235,20 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``x [T, 2 d]`` -> ``silu(x[:, :d]) * x[:, d:]`` ``[T, d]``, the SiLU rounded to the dtype before the product."""
     out = x.new_empty(x.shape[:-1] + (x.shape[-1] // 2,))  # a wrong rank is the kernel's RuntimeError
     _ops().silu_and_mul(out, x)
+    return out
+
+
+def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x [1, in] @ weight[out, in].T`` -> ``[1, out]``, float32 (``csrc/skinny_gemm.cpp``): a batch-1 decode's
+    linear layers and LM head, the output rows split across the threads. Sums in another order than MKL's: equal
+    to ``F.linear`` within float32 rounding, not bit for bit.
+
+    Raises:
+        RuntimeError: (the kernel's check) when a dtype is not float32, ``x`` has more than one row or another
+            width than ``weight``, or ``weight`` is not contiguous.
+    """
+    out = x.new_empty((x.shape[0], weight.shape[0])) if x.dim() == 2 and weight.dim() == 2 else x.new_empty(0)
+    _ops().skinny_gemm(out, x, weight)
     return out
 
 

@@ -5,6 +5,10 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# float32 on the exact reference (PyTorch's operators), chosen here as ./course.sh chooses it for the course: the
+# tests and the notebooks under nbval compare float32 results bit for bit, on every CPU class. The tests of the
+# fast path (tests/worker/test_fp32_kernels.py) set it to 1 themselves.
+os.environ.setdefault("MINIVLLM_CPU_KERNELS_FP32", "0")
 
 from pathlib import Path  # noqa: E402
 

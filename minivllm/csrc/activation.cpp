@@ -20,16 +20,17 @@ inline float silu_mul_one(float g, float u) {
   return s * u;
 }
 
-// One row of d outputs, 16 lanes at a time.
+// One row of d outputs, kLanes at a time (one register: 16 lanes with AVX-512, 8 with AVX2, see cpu_utils.h).
 template <typename S>
 void silu_and_mul_row(typename S::storage* __restrict out, const typename S::storage* __restrict gate,
                       const typename S::storage* __restrict up, int64_t d) {
+  using V = Lanes<kLanes>::f;
   int64_t i = 0;
-  for (; i + 16 <= d; i += 16) {
-    const vfloat16 g = load16<S>(gate + i);
-    vfloat16 s = g / (1.f + vexp16(-g));
-    if constexpr (sizeof(typename S::storage) == 2) s = round_to_bf16(s);  // as the bf16 F.silu output is
-    store16<S>(out + i, s * load16<S>(up + i));
+  for (; i + kLanes <= d; i += kLanes) {
+    const V g = loadn<S, kLanes>(gate + i);
+    V s = g / (1.f + vexpn<kLanes>(-g));
+    if constexpr (sizeof(typename S::storage) == 2) s = round_to_bf16n<kLanes>(s);  // as the bf16 F.silu output is
+    storen<S, kLanes>(out + i, s * loadn<S, kLanes>(up + i));
   }
   for (; i < d; ++i) out[i] = S::store(silu_mul_one<S>(S::load(gate[i]), S::load(up[i])));
 }

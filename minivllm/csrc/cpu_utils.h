@@ -78,67 +78,104 @@ inline void dispatch_float_types(const char* op, at::ScalarType dtype, Body&& bo
   }
 }
 
-// 16 float32 lanes as a GCC/Clang vector type: written once, compiled to AVX-512, AVX2 or SSE after -march.
+// N float32 lanes as a GCC/Clang vector type: written once, compiled to AVX-512, AVX2 or SSE after -march.
 // Used where the auto-vectoriser gives up (GCC 12 will not vectorise a loop calling an exp written with
-// conversions and selects).
-typedef float vfloat16 __attribute__((vector_size(64)));
-typedef int32_t vint16 __attribute__((vector_size(64)));
-typedef uint32_t vuint16 __attribute__((vector_size(64)));
-typedef uint16_t vhalf16 __attribute__((vector_size(32)));
+// conversions and selects). Without AVX-512, GCC lowers a 16-lane (64-byte) vector's compares and selects one lane
+// at a time: a loop over such vectors runs several times slower than the same loop over 8 lanes, one AVX2 register
+// (SiLU-and-mul in float32: minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"). kLanes is the width that
+// maps onto one register of the CPU the kernels are built for.
+template <int N>
+struct Lanes {
+  typedef float f __attribute__((vector_size(4 * N)));
+  typedef int32_t i __attribute__((vector_size(4 * N)));
+  typedef uint32_t u __attribute__((vector_size(4 * N)));
+  typedef uint16_t h __attribute__((vector_size(2 * N)));
+};
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
 
-template <typename S>
-inline vfloat16 load16(const typename S::storage* p) {
+typedef Lanes<16>::f vfloat16;
+typedef Lanes<16>::i vint16;
+typedef Lanes<16>::u vuint16;
+typedef Lanes<16>::h vhalf16;
+
+template <typename S, int N = 16>
+inline typename Lanes<N>::f loadn(const typename S::storage* p) {
   if constexpr (sizeof(typename S::storage) == 2) {
-    vhalf16 h;
+    typename Lanes<N>::h h;
     __builtin_memcpy(&h, p, sizeof(h));
-    return reinterpret_cast<vfloat16>(__builtin_convertvector(h, vuint16) << 16);  // bf16 -> f32 widening
+    // bf16 -> f32 widening
+    return reinterpret_cast<typename Lanes<N>::f>(__builtin_convertvector(h, typename Lanes<N>::u) << 16);
   } else {
-    vfloat16 f;
+    typename Lanes<N>::f f;
     __builtin_memcpy(&f, p, sizeof(f));
     return f;
   }
 }
 
-// Rounds each lane to the nearest bfloat16 value (kept as a float32).
-inline vfloat16 round_to_bf16(vfloat16 f) {
-  const vuint16 u = reinterpret_cast<vuint16>(f);
-  const vuint16 rounded = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
-  return reinterpret_cast<vfloat16>((u & 0x7FFFFFFFu) > 0x7F800000u ? u : rounded);
+template <typename S>
+inline vfloat16 load16(const typename S::storage* p) {
+  return loadn<S, 16>(p);
 }
 
-template <typename S>
-inline void store16(typename S::storage* p, vfloat16 f) {
+// Rounds each lane to the nearest bfloat16 value (kept as a float32).
+template <int N>
+inline typename Lanes<N>::f round_to_bf16n(typename Lanes<N>::f f) {
+  using U = typename Lanes<N>::u;
+  const U u = reinterpret_cast<U>(f);
+  const U rounded = ((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16) << 16;
+  return reinterpret_cast<typename Lanes<N>::f>((u & 0x7FFFFFFFu) > 0x7F800000u ? u : rounded);
+}
+
+inline vfloat16 round_to_bf16(vfloat16 f) { return round_to_bf16n<16>(f); }
+
+template <typename S, int N = 16>
+inline void storen(typename S::storage* p, typename Lanes<N>::f f) {
   if constexpr (sizeof(typename S::storage) == 2) {
-    const vuint16 u = reinterpret_cast<vuint16>(f);
-    const vuint16 rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // BF16::store, lane by lane
-    const vuint16 bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? vuint16{} + 0x7FC0u : rounded;
-    const vhalf16 h = __builtin_convertvector(bits, vhalf16);
+    using U = typename Lanes<N>::u;
+    const U u = reinterpret_cast<U>(f);
+    const U rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;  // BF16::store, lane by lane
+    const U bits = (u & 0x7FFFFFFFu) > 0x7F800000u ? U{} + 0x7FC0u : rounded;
+    const typename Lanes<N>::h h = __builtin_convertvector(bits, typename Lanes<N>::h);
     __builtin_memcpy(p, &h, sizeof(h));
   } else {
     __builtin_memcpy(p, &f, sizeof(f));
   }
 }
 
-// exp of 16 float32 values. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
+template <typename S>
+inline void store16(typename S::storage* p, vfloat16 f) {
+  storen<S, 16>(p, f);
+}
+
+// exp of N float32 values. Cephes' expf: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by a degree-6 polynomial,
 // 2^n through the exponent bits. Relative error about 2e-7 (1-2 ulp), enough for a softmax or a SiLU.
-inline vfloat16 vexp16(vfloat16 x) {
-  x = x < -87.0f ? vfloat16{} - 87.0f : x;
-  x = x > 88.0f ? vfloat16{} + 88.0f : x;
-  const vfloat16 t = x * 1.44269504088896341f + 0.5f;
-  vint16 k = __builtin_convertvector(t, vint16);  // rounds toward zero ...
-  k = __builtin_convertvector(k, vfloat16) > t ? k - 1 : k;  // ... so step down for negative t: floor(t)
-  const vfloat16 n = __builtin_convertvector(k, vfloat16);
-  vfloat16 r = x - n * 0.693359375f;
+template <int N>
+inline typename Lanes<N>::f vexpn(typename Lanes<N>::f x) {
+  using F = typename Lanes<N>::f;
+  using I = typename Lanes<N>::i;
+  x = x < -87.0f ? F{} - 87.0f : x;
+  x = x > 88.0f ? F{} + 88.0f : x;
+  const F t = x * 1.44269504088896341f + 0.5f;
+  I k = __builtin_convertvector(t, I);  // rounds toward zero ...
+  k = __builtin_convertvector(k, F) > t ? k - 1 : k;  // ... so step down for negative t: floor(t)
+  const F n = __builtin_convertvector(k, F);
+  F r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  vfloat16 p = vfloat16{} + 1.9875691500e-4f;
+  F p = F{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  return p * reinterpret_cast<vfloat16>((k + 127) << 23);
+  return p * reinterpret_cast<F>((k + 127) << 23);
 }
+
+inline vfloat16 vexp16(vfloat16 x) { return vexpn<16>(x); }
 
 // The same exp for one value (loop tails).
 inline float vexp(float x) {

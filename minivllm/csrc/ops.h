@@ -31,6 +31,9 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 // out[t, i] = silu(x[t, i]) * x[t, d + i] for x [tokens, 2 d], out [tokens, d].
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
+// out [1, out_features] = x [1, in_features] @ weight [out_features, in_features]^T, float32 (batch-1 decode).
+void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
+
 // Rotates the first num_rotated heads of every row of qk [tokens, heads, head_dim] in place by the angles of
 // positions [tokens], with full-width float32 tables cos/sin [max_position, head_dim] (NeoX half split).
 void rotary_embedding(const at::Tensor& positions, at::Tensor& qk, int64_t num_rotated, const at::Tensor& cos,

@@ -21,6 +21,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.impl("fused_add_rms_norm", c10::DispatchKey::CPU, &minivllm::fused_add_rms_norm);
   m.def("silu_and_mul(Tensor(a!) out, Tensor x) -> ()");
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &minivllm::silu_and_mul);
+  m.def("skinny_gemm(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
+  m.impl("skinny_gemm", c10::DispatchKey::CPU, &minivllm::skinny_gemm);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) qk, int num_rotated, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &minivllm::rotary_embedding);
 }

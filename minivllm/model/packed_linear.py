@@ -1,5 +1,5 @@
-"""bfloat16 linear layers on the CPU (and float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``) through oneDNN with the
-weight packed once, not on every call.
+"""bfloat16 linear layers on the CPU (and float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``, the default) through
+oneDNN with the weight packed once, not on every call.
 
 A CPU matmul library lays the weight out in the blocked order its inner kernel reads (here oneDNN's AVX512-BF16
 kernel). ``F.linear`` redoes that reordering on every call; for a decode step, whose activations are a handful of
@@ -9,12 +9,16 @@ copy halves the time of a batch-1 decode matmul and gains 10-20 % on large batch
 underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/model_executor/layers/utils.py``
 ``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
 
-Float32 keeps ``F.linear`` (MKL) by default, which is the reference the course compares against token for token;
-oneDNN's float32 results differ in the last bits. With ``MINIVLLM_CPU_KERNELS_FP32=1`` a float32 model packs its weights
-too (the loader and the model runner say so through ``set_float32``), as vLLM's CPU build does for every dtype,
-but only for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's
-30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for
-64-512, MKL was faster for 1 row (a matrix-vector product: 0.80x oneDNN's time) and level at 1024.
+With ``MINIVLLM_CPU_KERNELS_FP32=1`` (the default) a float32 model packs its weights too (the loader and the model
+runner say so through ``set_float32``), as vLLM's CPU build does for every dtype, but only for
+``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's 30 layers,
+weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for 64-512, and was
+level at 1024; with AVX-512 it is faster at every size, prefill steps of thousands of rows included
+(``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a prefill's last token) goes to minivllm's own
+matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the output rows across the threads: MKL's did not
+get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``). ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps
+``F.linear`` (MKL): the exact reference the course compares bit for bit; oneDNN's and the kernel's float32 results
+differ from it in the last bits.
 Two switches turn packing off, to compare: ``MINIVLLM_ONEDNN_PACKING=0`` (``minivllm.envs``), read when a layer is
 built and again when a model is loaded or a model runner is built (``LlamaForCausalLM.set_custom_op_dispatch``),
 never per call, like ``MINIVLLM_CPU_KERNELS``; and this module's ``ENABLED = False``, for every layer at once from a
@@ -30,10 +34,22 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from minivllm import envs
+from minivllm import custom_ops, envs
 
 ENABLED = True  # the course's switch for every layer at once; MINIVLLM_ONEDNN_PACKING is each layer's (module doc)
-FP32_PACKED_TOKENS = range(2, 1025)  # rows of x for which a float32 packed weight beats MKL (module doc)
+
+
+def fp32_packed_rows(capability: Optional[str] = None) -> range:
+    """The rows of ``x`` for which a float32 packed weight beats MKL's ``F.linear``, after the vector unit
+    PyTorch's kernels use (``torch.backends.cpu.get_cpu_capability()``, or ``capability``): 2-1024 rows with AVX2
+    (measured on this project's AVX2 EPYC: level at 1024 rows, MKL ahead at 1608, module doc), every size from 2
+    rows with AVX-512 (measured on its AVX512-BF16 EPYC, SmolLM2's projections at 1024-4096 rows: packed 1.8-4.2x
+    faster with two threads, 1.6-2.7x with one; ``minivllm/bench/OPTIMISATIONS.md``, "Batch 1 on every thread")."""
+    capability = capability or torch.backends.cpu.get_cpu_capability()
+    return range(2, 1 << 62) if capability.startswith("AVX512") else range(2, 1025)
+
+
+FP32_PACKED_TOKENS = fp32_packed_rows()  # rows of x for which a float32 packed weight beats MKL (module doc)
 _SUPPORTED: Optional[bool] = None
 
 
@@ -61,7 +77,8 @@ class PackedWeight:
         self.enabled = envs.MINIVLLM_ONEDNN_PACKING  # read here, not per call; set_float32 reads it again
 
     def set_float32(self, on: bool) -> None:
-        """Pack float32 weights as well, for ``FP32_PACKED_TOKENS`` rows (``MINIVLLM_CPU_KERNELS_FP32=1``: set by
+        """Pack float32 weights as well, for ``FP32_PACKED_TOKENS`` rows, and send one row to ``skinny_gemm``
+        (``MINIVLLM_CPU_KERNELS_FP32=1``: set by
         ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader and by each model runner), and read
         ``MINIVLLM_ONEDNN_PACKING`` again, so that a value set after the model was built counts from the next
         engine on."""
@@ -81,9 +98,19 @@ class PackedWeight:
         return (x.dtype == torch.float32 and self.float32 and x.shape[0] in FP32_PACKED_TOKENS
                 and torch.backends.mkldnn.is_available())
 
+    def skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+        """Whether ``linear`` takes the float32 batch-1 kernel (``custom_ops.skinny_gemm``): one row of float32 on
+        the CPU, no autograd, ``set_float32`` on, the weight contiguous (module doc)."""
+        return (self.float32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
+                and x.shape[0] == 1 and x.device.type == "cpu" and weight.is_contiguous()
+                and not torch.is_grad_enabled())
+
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when
-        ``usable``, else ``F.linear``."""
+        """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the batch-1 kernel when
+        ``skinny``, the packed path when ``usable``, else ``F.linear``."""
+        if self.skinny(x, weight):
+            out = custom_ops.skinny_gemm(x.contiguous(), weight.detach())
+            return out if bias is None else out.add_(bias)
         if not self.usable(x, weight):
             return F.linear(x, weight, bias)
         # The version counter sees in-place writes; ``module.to(dtype)`` swaps ``param.data`` instead, which keeps

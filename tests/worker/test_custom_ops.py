@@ -163,6 +163,33 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(custom_ops.silu_and_mul(x), ref, **tol)
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n_out, k", [(960, 576), (49152, 576), (576, 1536), (7, 19), (1003, 577), (4, 16), (1, 5)])
+def test_skinny_gemm_equals_linear(n_out, k, threads):
+    """The batch-1 float32 linear kernel against ``F.linear``: other summation order, so equal to float32
+    rounding (relative 1e-5 of the row's magnitude), with tails after the 16-wide loop and the 4-row blocks."""
+    g = torch.Generator().manual_seed(n_out + k)
+    w, x = torch.randn(n_out, k, generator=g), torch.randn(1, k, generator=g)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = custom_ops.skinny_gemm(x, w)
+    finally:
+        torch.set_num_threads(before)
+    assert got.shape == (1, n_out) and got.dtype == torch.float32
+    scale = (w.abs() @ x.abs().T).T  # the size of the terms each output sums
+    assert ((got - F.linear(x, w)).abs() <= 1e-5 * scale + 1e-6).all()
+
+
+def test_skinny_gemm_rejects_what_it_cannot_take():
+    w = torch.randn(8, 16)
+    for x, wt, match in [(torch.randn(2, 16), w, "x must be \\[1, in\\]"), (torch.randn(1, 15), w, "in = weight.size\\(1\\) = 16"),
+                         (torch.randn(1, 16).bfloat16(), w.bfloat16(), "must be float32"),
+                         (torch.randn(1, 16), torch.randn(16, 8).T, "contiguous")]:
+        with pytest.raises(RuntimeError, match=match):
+            custom_ops.skinny_gemm(x, wt)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rotary_embedding_is_bit_identical(dtype):
     g = torch.Generator().manual_seed(5)

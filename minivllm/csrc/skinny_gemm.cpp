@@ -1,0 +1,82 @@
+// A float32 linear layer for one row of activations, y = W x, streaming the weight once (the role of vLLM's
+// "skinny GEMMs" for small batches: csrc/rocm/skinny_gemms.cu, wvSplitK; on the CPU vLLM calls oneDNN).
+//
+// At batch 1 a decode step is a chain of matrix-vector products whose time is reading the weights from memory.
+// MKL's sgemm with one row read them at about 15 GB/s with one thread or two, where the machine copies at 30
+// (minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"); here the output rows are split across the threads,
+// each row of W is read once, in order, with the rows two blocks ahead prefetched.
+
+#include "ops.h"
+
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+namespace minivllm {
+namespace {
+
+// 8 float32 lanes: one AVX2 register (two halves of one AVX-512 register would buy nothing: the loop waits on
+// memory, not on arithmetic).
+typedef float vfloat8 __attribute__((vector_size(32)));
+
+inline vfloat8 load8(const float* p) {
+  vfloat8 v;
+  __builtin_memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+constexpr int64_t kRows = 4;                   // output rows per work item: 4 weight rows stream at once
+constexpr int64_t kPrefetchRows = 2 * kRows;  // how far ahead the next rows are asked for
+
+// y[o .. o + kRows - 1] for one x of k values; two accumulators per row so that the adds do not wait on each other.
+inline void rows_dot(const float* __restrict w, const float* __restrict x, float* __restrict y, int64_t k,
+                     int64_t o, int64_t out_rows) {
+  vfloat8 a[kRows], b[kRows];
+  for (int64_t r = 0; r < kRows; ++r) a[r] = b[r] = vfloat8{};
+  const int64_t ahead = o + kPrefetchRows < out_rows ? kPrefetchRows * k : 0;
+  int64_t i = 0;
+  for (; i + 16 <= k; i += 16) {
+    const vfloat8 x0 = load8(x + i), x1 = load8(x + i + 8);
+    for (int64_t r = 0; r < kRows; ++r) {
+      const float* wr = w + (o + r) * k + i;
+      __builtin_prefetch(wr + ahead, 0, 0);
+      a[r] += load8(wr) * x0;
+      b[r] += load8(wr + 8) * x1;
+    }
+  }
+  for (int64_t r = 0; r < kRows; ++r) {
+    const vfloat8 s = a[r] + b[r];
+    float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+    for (int64_t j = i; j < k; ++j) sum += w[(o + r) * k + j] * x[j];
+    y[o + r] = sum;
+  }
+}
+
+inline float row_dot(const float* __restrict w, const float* __restrict x, int64_t k) {
+  float sum = 0.f;
+  for (int64_t j = 0; j < k; ++j) sum += w[j] * x[j];
+  return sum;
+}
+
+}  // namespace
+
+void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat,
+              "skinny_gemm: x, weight and out must be float32");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous(), "skinny_gemm: weight must be a contiguous [out, in]");
+  const int64_t k = weight.size(1), n_out = weight.size(0);
+  TORCH_CHECK(x.dim() == 2 && x.size(0) == 1 && x.size(1) == k && x.stride(1) == 1,
+              "skinny_gemm: x must be [1, in] with in = weight.size(1) = ", k, " and a contiguous row");
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == 1 && out.size(1) == n_out && out.stride(1) == 1,
+              "skinny_gemm: out must be [1, out] with out = weight.size(0) = ", n_out, " and a contiguous row");
+  const float* w = weight.data_ptr<float>();
+  const float* xp = x.data_ptr<float>();
+  float* y = out.data_ptr<float>();
+  const int64_t blocks = n_out / kRows;
+  // 64 rows at least per thread: below that a thread's start-up costs more than the rows it reads.
+  at::parallel_for(0, blocks, 64 / kRows, [&](int64_t b, int64_t e) {
+    for (int64_t blk = b; blk < e; ++blk) rows_dot(w, xp, y, k, blk * kRows, n_out);
+  });
+  for (int64_t o = blocks * kRows; o < n_out; ++o) y[o] = row_dot(w + o * k, xp, k);
+}
+
+}  // namespace minivllm
