@@ -208,15 +208,16 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         float m = l[0];
 #pragma omp simd reduction(max : m)
         for (int64_t i = 1; i < len; ++i) m = m > l[i] ? m : l[i];
-        vfloat16 sum16 = {};
+        // One register wide (kLanes, cpu_utils.h): without AVX-512 a 16-lane exp is lowered lane by lane.
+        Lanes<kLanes>::f sumv = {};
         int64_t i = 0;
-        for (; i + 16 <= len; i += 16) {
-          vfloat16 e = vexp16(load16<F32>(l + i) - m);
-          store16<F32>(l + i, e);
-          sum16 += e;
+        for (; i + kLanes <= len; i += kLanes) {
+          const Lanes<kLanes>::f e = vexpn<kLanes>(loadn<F32, kLanes>(l + i) - m);
+          storen<F32, kLanes>(l + i, e);
+          sumv += e;
         }
         float sum = 0.f;
-        for (int j = 0; j < 16; ++j) sum += sum16[j];
+        for (int j = 0; j < kLanes; ++j) sum += sumv[j];
         for (; i < len; ++i) {
           l[i] = vexp(l[i] - m);
           sum += l[i];

@@ -2,7 +2,7 @@
 // "skinny GEMMs" for small batches: csrc/rocm/skinny_gemms.cu, wvSplitK; on the CPU vLLM calls oneDNN).
 //
 // At batch 1 a decode step is a chain of matrix-vector products whose time is reading the weights from memory.
-// MKL's sgemm with one row read them at about 15 GB/s with one thread or two, where the machine copies at 30
+// MKL's sgemm with one row read them at about 12 GB/s with one thread or two, where the machine copies at 30
 // (minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"); here the output rows are split across the threads,
 // each row of W is read once, in order, with the rows two blocks ahead prefetched.
 
@@ -32,7 +32,8 @@ inline void rows_dot(const float* __restrict w, const float* __restrict x, float
                      int64_t o, int64_t out_rows) {
   vfloat8 a[kRows], b[kRows];
   for (int64_t r = 0; r < kRows; ++r) a[r] = b[r] = vfloat8{};
-  const int64_t ahead = o + kPrefetchRows < out_rows ? kPrefetchRows * k : 0;
+  // Prefetch only rows that exist: all kRows rows of the block kPrefetchRows ahead.
+  const int64_t ahead = o + kPrefetchRows + kRows <= out_rows ? kPrefetchRows * k : 0;
   int64_t i = 0;
   for (; i + 16 <= k; i += 16) {
     const vfloat8 x0 = load8(x + i), x1 = load8(x + i + 8);

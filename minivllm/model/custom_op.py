@@ -71,6 +71,6 @@ class CustomOp(nn.Module):
 
 def no_kernel_for(x: torch.Tensor, kernel_dtype: torch.dtype = torch.bfloat16) -> bool:
     """True when a CPU kernel must not take ``x`` whatever the dispatch: not ``kernel_dtype`` (the layer's, set
-    with its dispatch: float32 stays on PyTorch, the exact reference, unless the model runner chose the float32
-    kernels) or not on the CPU, or autograd is recording (the kernels have no backward)."""
+    with its dispatch: float32 stays on PyTorch, the exact reference, under ``MINIVLLM_CPU_KERNELS_FP32=0``) or not
+    on the CPU, or autograd is recording (the kernels have no backward)."""
     return x.dtype != kernel_dtype or x.device.type != "cpu" or torch.is_grad_enabled()

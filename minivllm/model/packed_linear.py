@@ -43,8 +43,8 @@ def fp32_packed_rows(capability: Optional[str] = None) -> range:
     """The rows of ``x`` for which a float32 packed weight beats MKL's ``F.linear``, after the vector unit
     PyTorch's kernels use (``torch.backends.cpu.get_cpu_capability()``, or ``capability``): 2-1024 rows with AVX2
     (measured on this project's AVX2 EPYC: level at 1024 rows, MKL ahead at 1608, module doc), every size from 2
-    rows with AVX-512 (measured on its AVX512-BF16 EPYC, SmolLM2's projections at 1024-4096 rows: packed 1.8-4.2x
-    faster with two threads, 1.6-2.7x with one; ``minivllm/bench/OPTIMISATIONS.md``, "Batch 1 on every thread")."""
+    rows with AVX-512 (measured on its AVX512-BF16 EPYC, SmolLM2's projections at 1024-4096 rows, two threads: packed
+    1.8-3.6x faster; ``minivllm/bench/OPTIMISATIONS.md``, "Batch 1 on every thread")."""
     capability = capability or torch.backends.cpu.get_cpu_capability()
     return range(2, 1 << 62) if capability.startswith("AVX512") else range(2, 1025)
 
@@ -100,7 +100,9 @@ class PackedWeight:
 
     def skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``linear`` takes the float32 batch-1 kernel (``custom_ops.skinny_gemm``): one row of float32 on
-        the CPU, no autograd, ``set_float32`` on, the weight contiguous (module doc)."""
+        the CPU, no autograd, ``set_float32`` on, the weight contiguous (module doc). It reads the weight as it is,
+        not a packed copy, so ``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the float32 kernels'
+        switch (``MINIVLLM_CPU_KERNELS_FP32``, ``MINIVLLM_CPU_KERNELS``) does."""
         return (self.float32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
                 and x.shape[0] == 1 and x.device.type == "cpu" and weight.is_contiguous()
                 and not torch.is_grad_enabled())
@@ -125,7 +127,8 @@ class PackedWeight:
 
 class Linear(nn.Linear):
     """``nn.Linear`` whose CPU forward multiplies with a packed copy of the weight in bfloat16, and in float32 for
-    ``FP32_PACKED_TOKENS`` rows once ``PackedWeight.set_float32`` is on (see module doc).
+    ``FP32_PACKED_TOKENS`` rows once ``PackedWeight.set_float32`` is on, when one row goes to ``skinny_gemm``
+    (see module doc).
 
     The parameters, ``state_dict`` and every other path are ``nn.Linear``'s.
     """
