@@ -178,11 +178,11 @@ inline typename Lanes<N>::f vexpn(typename Lanes<N>::f x) {
 
 inline vfloat16 vexp16(vfloat16 x) { return vexpn<16>(x); }
 
-// The same exp for one value (loop tails).
+// The same exp for one value (loop tails), one register wide.
 inline float vexp(float x) {
-  vfloat16 v = {};
+  Lanes<kLanes>::f v = {};
   v[0] = x;
-  return vexp16(v)[0];
+  return vexpn<kLanes>(v)[0];
 }
 
 }  // namespace minivllm

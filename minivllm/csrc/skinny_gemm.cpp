@@ -14,15 +14,11 @@
 namespace minivllm {
 namespace {
 
-// 8 float32 lanes: one AVX2 register (two halves of one AVX-512 register would buy nothing: the loop waits on
-// memory, not on arithmetic).
-typedef float vfloat8 __attribute__((vector_size(32)));
+// 8 float32 lanes (cpu_utils.h): one AVX2 register; a whole AVX-512 register would buy nothing, as the loop waits
+// on memory, not on arithmetic.
+using vfloat8 = Lanes<8>::f;
 
-inline vfloat8 load8(const float* p) {
-  vfloat8 v;
-  __builtin_memcpy(&v, p, sizeof(v));
-  return v;
-}
+inline vfloat8 load8(const float* p) { return loadn<F32, 8>(p); }
 
 constexpr int64_t kRows = 4;                   // output rows per work item: 4 weight rows stream at once
 constexpr int64_t kPrefetchRows = 2 * kRows;  // how far ahead the next rows are asked for

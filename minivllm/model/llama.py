@@ -167,11 +167,11 @@ class LlamaForCausalLM(nn.Module):
         """Choose the implementation of every ``CustomOp`` layer (RMSNorm, SiluAndMul, RoPE) for a model on
         ``device_type``: its C++ kernels on the CPU when ``use_cpu_kernels`` (``custom_ops.use_cpu_kernels``), else
         the PyTorch formulas (``minivllm.model.custom_op``). For a float32 model ``use_cpu_kernels`` is True unless
-        ``MINIVLLM_CPU_KERNELS_FP32=0`` (the exact reference); then each layer's ``kernel_dtype`` becomes float32 and the linear
-        layers and the LM head multiply with packed float32 weights (``PackedWeight.set_float32``), else both stay
-        as for bfloat16 (float32 on PyTorch and MKL). The loader calls it once the weights are in their dtype, and
-        each model runner when it is built and before a step if another runner changed it, as for the attention
-        backend."""
+        ``MINIVLLM_CPU_KERNELS_FP32=0`` (the exact reference); then each layer's ``kernel_dtype`` becomes float32 and
+        the linear layers and the LM head multiply with packed float32 weights (``PackedWeight.set_float32``), else
+        both stay as for bfloat16 (float32 on PyTorch and MKL). The loader calls it once the weights are in their
+        dtype, and each model runner when it is built and before a step if another runner changed it, as for the
+        attention backend."""
         self.custom_op_dispatch = (device_type, use_cpu_kernels)
         dtype = self.model.embed_tokens.weight.dtype
         float32 = device_type == "cpu" and use_cpu_kernels and dtype == torch.float32

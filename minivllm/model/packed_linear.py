@@ -14,11 +14,11 @@ runner say so through ``set_float32``), as vLLM's CPU build does for every dtype
 ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD EPYC (AVX2, one thread, SmolLM2's 30 layers,
 weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for 2-32 rows and 0.92-0.96x for 64-512, and was
 level at 1024; with AVX-512 it is faster at every size, prefill steps of thousands of rows included
-(``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a prefill's last token) goes to minivllm's own
-matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the output rows across the threads: MKL's did not
-get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``). ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps
-``F.linear`` (MKL): the exact reference the course compares bit for bit; oneDNN's and the kernel's float32 results
-differ from it in the last bits.
+(``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a prefill's last token) goes to
+minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the output rows across the threads:
+MKL's did not get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``). ``MINIVLLM_CPU_KERNELS_FP32=0``
+keeps ``F.linear`` (MKL): the exact reference the course compares bit for bit; oneDNN's and the kernel's float32
+results differ from it in the last bits.
 Two switches turn packing off, to compare: ``MINIVLLM_ONEDNN_PACKING=0`` (``minivllm.envs``), read when a layer is
 built and again when a model is loaded or a model runner is built (``LlamaForCausalLM.set_custom_op_dispatch``),
 never per call, like ``MINIVLLM_CPU_KERNELS``; and this module's ``ENABLED = False``, for every layer at once from a
@@ -78,8 +78,8 @@ class PackedWeight:
 
     def set_float32(self, on: bool) -> None:
         """Pack float32 weights as well, for ``FP32_PACKED_TOKENS`` rows, and send one row to ``skinny_gemm``
-        (``MINIVLLM_CPU_KERNELS_FP32=1``: set by
-        ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader and by each model runner), and read
+        (``MINIVLLM_CPU_KERNELS_FP32=1``: set by ``LlamaForCausalLM.set_custom_op_dispatch``, i.e. by the loader
+        and by each model runner), and read
         ``MINIVLLM_ONEDNN_PACKING`` again, so that a value set after the model was built counts from the next
         engine on."""
         self.float32 = on
@@ -111,7 +111,7 @@ class PackedWeight:
         """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the batch-1 kernel when
         ``skinny``, the packed path when ``usable``, else ``F.linear``."""
         if self.skinny(x, weight):
-            out = custom_ops.skinny_gemm(x.contiguous(), weight.detach())
+            out = custom_ops.skinny_gemm(x.contiguous(), weight)  # no autograd here (skinny): no detach needed
             return out if bias is None else out.add_(bias)
         if not self.usable(x, weight):
             return F.linear(x, weight, bias)

@@ -27,7 +27,8 @@ class RotaryEmbedding(CustomOp):
     bit-identical to ``forward_native`` in bfloat16 and in float32 (``tests/worker/test_custom_ops.py``). For the same
     reason ``forward_cpu`` gives the kernel either dtype whatever ``kernel_dtype`` the last runner set: a float32
     model under ``MINIVLLM_CPU_KERNELS_FP32=1`` must not take the kernel away from a bfloat16 model that shares
-    this instance, and a float32 model on the reference (``MINIVLLM_CPU_KERNELS_FP32=0``) gets the reference's exact bits from it.
+    this instance, and a float32 model on the reference (``MINIVLLM_CPU_KERNELS_FP32=0``) gets the reference's
+    exact bits from it.
     """
 
     def __init__(self, head_size: int, max_position: int, base: float) -> None:
