@@ -1,5 +1,8 @@
-// A float32 linear layer for one row of activations, y = W x, streaming the weight once (the role of vLLM's
-// "skinny GEMMs" for small batches: csrc/rocm/skinny_gemms.cu, wvSplitK; on the CPU vLLM calls oneDNN).
+// A float32 linear layer for one row of activations, y = W x, streaming the weight once. The role of vLLM 0.32's
+// "skinny GEMMs" for a handful of activation rows, on ROCm only (wvSplitK in csrc/rocm/skinny_gemms.cu, chosen by
+// rocm_unquantized_gemm_impl when VLLM_ROCM_USE_SKINNY_GEMM is set:
+// https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/utils.py#L288); vLLM's CPU build
+// calls oneDNN for every row count instead (dispatch_cpu_unquantized_gemm, same file, L470).
 //
 // At batch 1 a decode step is a chain of matrix-vector products whose time is reading the weights from memory.
 // MKL's sgemm with one row read them at about 12 GB/s with one thread or two, where the machine copies at 30
