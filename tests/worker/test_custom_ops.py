@@ -164,10 +164,12 @@ def test_silu_and_mul(dtype):
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("n_out, k", [(960, 576), (49152, 576), (576, 1536), (7, 19), (1003, 577), (4, 16), (1, 5)])
+@pytest.mark.parametrize("n_out, k", [(960, 576), (49152, 576), (576, 1536), (7, 19), (1003, 577), (4, 16), (1, 5),
+                                      (65, 45)])
 def test_skinny_gemm_equals_linear(n_out, k, threads):
     """The batch-1 float32 linear kernel against ``F.linear``: other summation order, so equal to float32
-    rounding (relative 1e-5 of the row's magnitude), with tails after the 16-wide loop and the 4-row blocks."""
+    rounding (relative 1e-5 of the row's magnitude), with tails after the 32-wide loop (four 8-lane accumulators),
+    after the 8-wide one, and a last work item of fewer than 4 rows."""
     g = torch.Generator().manual_seed(n_out + k)
     w, x = torch.randn(n_out, k, generator=g), torch.randn(1, k, generator=g)
     before = torch.get_num_threads()
