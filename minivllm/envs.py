@@ -18,6 +18,10 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
   ``minivllm.model.packed_linear``. Read when a linear layer is built and when a model is loaded or a model runner
   is built (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
+* ``MINIVLLM_CPU_THREADS_AUTO`` (default ``1``): on the CPU, when nobody chose a thread count (``OMP_NUM_THREADS``
+  unset, torch's count equal to the CPUs the process may use), the worker lowers torch's thread count while other
+  processes keep CPUs busy and raises it again when they stop (``minivllm.worker.cpu_threads``); ``0`` keeps the
+  count fixed. Read when a worker loads its model.
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
 * ``MINIVLLM_VLLM_CHECK_MODEL`` (default ``$MINIVLLM_CACHE/vllm_check/SmolLM2-135M-Instruct-float32``): the
   float32 Hugging Face folder that the live vLLM check writes once and both engines load
@@ -63,6 +67,7 @@ environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CPU_KERNELS": _flag("MINIVLLM_CPU_KERNELS", "1"),
     "MINIVLLM_CPU_KERNELS_FP32": _flag("MINIVLLM_CPU_KERNELS_FP32", "1"),
     "MINIVLLM_ONEDNN_PACKING": _flag("MINIVLLM_ONEDNN_PACKING", "1"),
+    "MINIVLLM_CPU_THREADS_AUTO": _flag("MINIVLLM_CPU_THREADS_AUTO", "1"),
     "VLLM_USE_V2_MODEL_RUNNER": _optional_flag("VLLM_USE_V2_MODEL_RUNNER"),
     "MINIVLLM_CACHE": lambda: os.environ.get(
         "MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm")

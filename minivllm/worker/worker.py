@@ -32,6 +32,7 @@ from minivllm.kv_cache_interface import FullAttentionSpec
 from minivllm.outputs import ModelRunnerOutput
 
 if TYPE_CHECKING:
+    from minivllm.worker.cpu_threads import CpuThreadGovernor
     from minivllm.worker.model_runner import ModelRunner
 
 # The KV budget on the CPU when ``kv_cache_memory_bytes`` is not given (vLLM's CPU worker returns
@@ -62,6 +63,7 @@ class Worker:
         self.model_runner: Optional["ModelRunner"] = None
         self.device: Optional[torch.device] = None
         self._distributed = False
+        self.cpu_threads: Optional["CpuThreadGovernor"] = None
 
     def init_device(self) -> None:
         """Pick the device; with a rendezvous, join the process group (gloo on the CPU, NCCL on CUDA) and make it
@@ -101,6 +103,10 @@ class Worker:
         connector = self.kv_connector if cfg.parallel_config.tensor_parallel_size == 1 else None
         self.model_runner = runner_cls(model, None, cfg.cache_config.block_size, self.device, cfg.seed, connector,
                                        cfg.attention_backend, enforce_eager)
+        if self.device.type == "cpu" and self.distributed_init_method is None:
+            from minivllm.worker.cpu_threads import governor_for_this_process
+
+            self.cpu_threads = governor_for_this_process()
 
     def determine_available_memory(self) -> int:
         """Bytes this worker may give its KV cache (vLLM ``Worker.determine_available_memory``).
@@ -151,8 +157,11 @@ class Worker:
         self.model_runner.capture_model(self.vllm_config.scheduler_config.max_num_seqs)
 
     def execute_model(self, scheduler_output: SchedulerOutput) -> Optional[ModelRunnerOutput]:
-        """The step's forward pass (``ModelRunnerBase.execute_model``): ``None``, or an empty step's output."""
+        """The step's forward pass (``ModelRunnerBase.execute_model``): ``None``, or an empty step's output. On the
+        CPU of one process, the step's thread count first follows the machine's load (``cpu_threads``)."""
         assert self.model_runner is not None, "load_model() first"
+        if self.cpu_threads is not None:
+            self.cpu_threads.update()
         return self.model_runner.execute_model(scheduler_output)
 
     def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
@@ -161,6 +170,9 @@ class Worker:
         return self.model_runner.sample_tokens(grammar_output)
 
     def shutdown(self) -> None:
+        if self.cpu_threads is not None:
+            self.cpu_threads.close()
+            self.cpu_threads = None
         if self._distributed:
             parallel_state.destroy_model_parallel()
             self._distributed = False

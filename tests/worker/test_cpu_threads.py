@@ -1,0 +1,141 @@
+"""The CPU thread governor: fewer threads while other processes hold CPUs, all of them again when they stop."""
+
+import os
+
+import pytest
+import torch
+
+from minivllm.worker import cpu_threads
+from minivllm.worker.cpu_threads import CpuThreadGovernor, governor_for_this_process, proc_stat_busy_seconds
+
+
+class FakeMachine:
+    """A clock, the machine's busy CPU seconds and this process's own, advanced by hand."""
+
+    def __init__(self):
+        self.now, self.busy, self.own = 100.0, 5000.0, 40.0
+
+    def run(self, seconds, ours, others):
+        """``seconds`` pass while this process uses ``ours`` CPUs and other processes ``others``."""
+        self.now += seconds
+        self.own += ours * seconds
+        self.busy += (ours + others) * seconds
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def make(m, max_threads=2):
+    return CpuThreadGovernor(max_threads, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
+                             own_seconds=lambda: m.own)
+
+
+def test_a_busy_cpu_takes_a_thread_and_gives_it_back(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=2.0, others=0.0)
+    assert g.update() == 2 and torch.get_num_threads() == 2
+    m.run(1.0, ours=1.5, others=0.5)  # another job shares a core with one of our threads
+    assert g.update() == 1 and torch.get_num_threads() == 1
+    m.run(1.0, ours=1.0, others=1.0)  # it keeps its core: we stay on one thread
+    assert g.update() == 1
+    m.run(1.0, ours=1.0, others=0.1)  # it stopped
+    assert g.update() == 2 and torch.get_num_threads() == 2
+    assert g.changes == 2
+
+
+def test_light_background_use_keeps_every_thread(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=2.0, others=0.3)
+    assert g.update() == 2 and g.changes == 0
+
+
+def test_readings_wait_for_the_interval(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(0.2, ours=1.0, others=1.0)
+    assert g.others_cpus() is None and g.update() == 2  # too soon: no reading, no change
+    m.run(0.4, ours=1.0, others=1.0)
+    assert g.update() == 1
+
+
+def test_never_below_one_thread_and_closing_restores_the_count(restore_threads):
+    torch.set_num_threads(4)
+    m = FakeMachine()
+    g = make(m, max_threads=4)
+    m.run(1.0, ours=0.5, others=3.9)
+    assert g.update() == 1 and torch.get_num_threads() == 1
+    g.close()
+    assert torch.get_num_threads() == 4
+
+
+def test_bad_max_threads_is_refused():
+    with pytest.raises(ValueError, match="max_threads must be >= 1"):
+        CpuThreadGovernor(0)
+
+
+def test_proc_stat_counts_all_but_idle_and_iowait(tmp_path):
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  900 0 90 9000 9 0 0 0 0 0\n"
+                    "cpu0 100 5 20 1000 50 3 2 7 0 0\n"
+                    "cpu1 400 0 40 4000 0 0 0 0 0 0\n"
+                    "intr 12345\n")
+    ticks = os.sysconf("SC_CLK_TCK")
+    assert proc_stat_busy_seconds([0], str(stat)) == pytest.approx((100 + 5 + 20 + 3 + 2 + 7) / ticks)
+    assert proc_stat_busy_seconds([0, 1], str(stat)) == pytest.approx((137 + 440) / ticks)
+
+
+def test_on_only_when_nobody_chose_a_thread_count(monkeypatch, restore_threads):
+    cpus = len(os.sched_getaffinity(0))
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("MINIVLLM_CPU_THREADS_AUTO", "1")
+    torch.set_num_threads(cpus)
+    g = governor_for_this_process()
+    assert (g is not None) == (cpus >= 2)
+    if g is not None:
+        assert g.max_threads == cpus
+        g.close()
+    monkeypatch.setenv("MINIVLLM_CPU_THREADS_AUTO", "0")
+    assert governor_for_this_process() is None
+    monkeypatch.setenv("MINIVLLM_CPU_THREADS_AUTO", "1")
+    monkeypatch.setenv("OMP_NUM_THREADS", "2")
+    assert governor_for_this_process() is None
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    assert governor_for_this_process() is None
+
+
+def test_the_worker_steps_through_the_governor(monkeypatch, restore_threads):
+    """An engine on the CPU consults the governor once per step, and a shutdown gives the count back."""
+    from minivllm.engine.llm_engine import LLMEngine
+    from minivllm.sampling_params import SamplingParams
+
+    calls = []
+
+    class Recording(CpuThreadGovernor):
+        def update(self):
+            calls.append(torch.get_num_threads())
+            return super().update()
+
+    monkeypatch.setattr(cpu_threads, "governor_for_this_process", lambda: Recording(2))
+    torch.set_num_threads(2)
+    engine = LLMEngine("tiny", device="cpu", num_gpu_blocks=32)
+    worker = engine.engine_core.model_executor.driver_worker
+    assert isinstance(worker.cpu_threads, Recording)
+    engine.add_request("a", {"prompt_token_ids": [1, 2, 3]}, SamplingParams(max_tokens=3, temperature=0))
+    steps = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        steps += 1
+    assert len(calls) == steps == 3
+    torch.set_num_threads(1)  # what a governor might have left
+    engine.shutdown()
+    assert worker.cpu_threads is None and torch.get_num_threads() == 2
