@@ -36,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="'tiny', a .gguf file or a Hugging Face folder (default: SmolLM2-135M)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--device", default="cpu", help="cpu or cuda")
-    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads, kept for the whole run (default: torch's choice, which minivllm's engine lowers "
+                        "while other processes keep CPUs busy: minivllm/worker/cpu_threads.py)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"))
@@ -150,6 +152,8 @@ def run_benchmark(a) -> Dict:
     cases = _check(a)
     if a.threads:
         torch.set_num_threads(a.threads)
+        # A count chosen on the command line stays: the engine's thread governor is for the default only.
+        os.environ["MINIVLLM_CPU_THREADS_AUTO"] = "0"
     model, tokenizer = _load(a)
     vocab = model.config.vocab_size
     workloads = {}

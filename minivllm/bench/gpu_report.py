@@ -55,7 +55,7 @@ def _provenance(r: Dict) -> List[str]:
           "attention backend by default: {backend}").format(
             py=env["python"], torch=env["torch"], cuda=env["torch_cuda"], triton=env["triton"],
             tf=env["transformers"], backend=env["default_backend"]["bfloat16"]),
-        _("every correctness check passed: {ok}").format(ok=_("yes") if r["correctness_passed"] else _("NO")),
+        _("correctness checks: all passed") if r["correctness_passed"] else _("correctness checks: SOME FAILED"),
     ]
 
 
@@ -65,9 +65,12 @@ def _equality(r: Dict) -> List[str]:
                "(SmolLM2-135M's shape, random weights):").format(n=len(eq["prompt_lens"]), t=eq["max_tokens"])]
     by_backend: Dict[str, List[str]] = {}
     for s in eq["scenarios"]:
-        mark = _("equal") if s["passed"] else _("DIFFERENT")
-        extra = _(", {n} preemption(s)").format(n=s["num_preemptions"]) if s["num_preemptions"] else ""
-        by_backend.setdefault(s["backend"], []).append(f"{s['scenario']} {mark}{extra}")
+        item = f"{s['scenario']} " + (_("equal") if s["equal"] else _("DIFFERENT"))
+        if s["num_preemptions"]:
+            item += _(", {n} preemption(s)").format(n=s["num_preemptions"])
+        if s["equal"] and not s["passed"]:
+            item += _(" (check failed: the scenario did not happen as planned)")
+        by_backend.setdefault(s["backend"], []).append(item)
     for backend, items in by_backend.items():
         lines.append(f"  {backend:12s} " + _("; ").join(items))
     return lines
@@ -108,45 +111,62 @@ def _throughput(r: Dict) -> List[str]:
 
 def _batch1(section: Dict, title: str) -> List[str]:
     lw = section["latency_workload"]
-    some = next(iter(section["batch1_vs_limits"].values()))
-    lines = [_("{title}, batch 1 ({p}-token prompt, {o} new tokens), {dtype}, {mb:.0f} MB read per step "
-               "(every weight once, and the KV cache):").format(title=title, p=lw["prompt_tokens"], o=lw["output_tokens"],
-                                   dtype=section["dtype"], mb=some["bytes_per_step"] / 1e6)]
-    for key, row in section["batch1_vs_limits"].items():
+    rows = section["batch1_vs_limits"]
+    some = next(iter(rows.values()))
+    lines = [_("{title}, batch 1 ({p}-token prompt, {o} new tokens), {dtype}: {mb:.0f} MB read per step (every "
+               "weight once, and the KV cache), {floor:.3f} ms at {bw:.1f} TB/s").format(
+        title=title, p=lw["prompt_tokens"], o=lw["output_tokens"], dtype=section["dtype"],
+        mb=some["bytes_per_step"] / 1e6, floor=some["bandwidth_floor_ms"],
+        bw=some["bytes_per_step"] / some["bandwidth_floor_ms"] / 1e9)]
+    for key, row in rows.items():
         label = key
         if key.startswith("minivllm[") and key.endswith("]"):  # "minivllm[TRITON_ATTN,cuda_graphs]"
             backend, mode = key[len("minivllm["):-1].split(",")
             label = _run_label({"backend": backend, "mode": mode})
-        lines.append(_("  {label:34s} {tok:6.1f} tok/s  {ms:6.2f} ms/token  {pct:5.1f} % of the bandwidth bound "
-                       "({floor:.3f} ms at the nominal bandwidth)").format(label=label, tok=row["decode_tok_s"], ms=row["ms_per_token"],
-                                                 pct=100 * row["fraction_of_bandwidth_bound"],
-                                                 floor=row["bandwidth_floor_ms"]))
+        lines.append(_("  {label} {tok:6.1f} tok/s  {ms:6.2f} ms/token  {share:5.1%} of the bandwidth-bound "
+                       "speed").format(label=ljust(label, 34), tok=row["decode_tok_s"], ms=row["ms_per_token"],
+                                       share=row["fraction_of_bandwidth_bound"]))
     return lines
 
 
 def _limits(r: Dict) -> List[str]:
     lim = r["limits"]
-    return [_("Measured on this GPU: copy {bw:.2f} TB/s ({bwp:.0f} % of the nominal {nbw:.1f}), bfloat16 matrix "
-              "product {fl:.0f} TFLOP/s ({flp:.0f} % of the nominal {nfl:.0f})").format(
-        bw=lim["copy_bandwidth_bytes_s"] / 1e12, bwp=100 * lim["bandwidth_fraction_of_nominal"],
+    return [_("Measured on this GPU: copy {bw:.2f} TB/s, bfloat16 matrix product {fl:.0f} TFLOP/s ({bwp:.0%} and "
+              "{flp:.0%} of the {nbw:.1f} TB/s and {nfl:.0f} TFLOP/s that earlier runs on such machines measured, "
+              "the figures the bounds above use)").format(
+        bw=lim["copy_bandwidth_bytes_s"] / 1e12, bwp=lim["bandwidth_fraction_of_nominal"],
         nbw=lim["nominal_h200_bandwidth_bytes_s"] / 1e12, fl=lim["bf16_matmul_flops"] / 1e12,
-        flp=100 * lim["flops_fraction_of_nominal"], nfl=lim["nominal_h200_bf16_flops"] / 1e12)]
+        flp=lim["flops_fraction_of_nominal"], nfl=lim["nominal_h200_bf16_flops"] / 1e12)]
+
+
+#: The report's parts in order, each with the sections of the results file it reads.
+_PARTS = (
+    (("env",), _provenance),
+    (("equality",), _equality),
+    (("kernels",), _kernels),
+    (("throughput",), _throughput),
+    (("throughput",), lambda r: _batch1(r["throughput"], "SmolLM2-135M")),
+    (("bandwidth_1b",), lambda r: _batch1(r["bandwidth_1b"], _("Llama 1B shape ({p:.2f} B parameters)").format(
+        p=r["bandwidth_1b"]["params"] / 1e9))),
+    (("limits",), _limits),
+)
 
 
 def report(results: Dict) -> str:
-    """The results as lines of text, in the current language (:func:`minivllm.i18n.set_language`).
-
-    Raises:
-        KeyError: a section the report reads is missing (a check cut short, or run with ``--sections``).
-    """
-    b1 = dict(results["bandwidth_1b"])
-    b1["dtype"] = results["bandwidth_1b"]["dtype"]
-    parts = [
-        _provenance(results), _equality(results), _kernels(results), _throughput(results),
-        _batch1(results["throughput"], "SmolLM2-135M"),
-        _batch1(b1, _("Llama 1B shape ({p:.2f} B parameters)").format(p=b1["params"] / 1e9)),
-        _limits(results),
-    ]
+    """The results as lines of text, in the current language (:func:`minivllm.i18n.set_language`). A section the
+    file lacks (a check cut short, or run with ``--sections``) is named with its error, if the file has one."""
+    parts = []
+    for needs, part in _PARTS:
+        missing = [n for n in needs if n not in results]
+        if missing:
+            for n in missing:
+                why = (results.get("errors") or {}).get(n) or (results.get("skipped") or {}).get(n) or _("not run")
+                parts.append([_("{section}: missing ({why})").format(section=n, why=str(why).splitlines()[0])])
+            continue
+        parts.append(part(results))
+    for n, why in sorted((results.get("errors") or {}).items()):
+        if n in results:
+            parts.append([_("{section}: error ({why})").format(section=n, why=str(why).splitlines()[0])])
     return "\n\n".join("\n".join(p) for p in parts)
 
 

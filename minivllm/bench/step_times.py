@@ -70,6 +70,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     p.add_argument("--threads", type=int, default=1)
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
     torch.set_num_threads(a.threads)
+    os.environ["MINIVLLM_CPU_THREADS_AUTO"] = "0"  # the count asked for, for every step measured
     r = measure_step_times(dtype=a.dtype)
     for k in ("prefill_2048", "decode_64", "batch1"):
         print(f"{k:13s} wall {r[k][0] * 1e3:8.1f} ms   cpu {r[k][1] * 1e3:8.1f} ms")

@@ -9,7 +9,7 @@
 // (minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"); here the output rows are split across the threads
 // and each thread reads its rows one after another, front to back: one sequential stream per thread, which the
 // hardware prefetcher follows. Four rows read side by side (this kernel's first form) ran at half that speed on a
-// 2-core AMD EPYC (Zen 4), 12-13 against 24-25 GB/s at one thread, with or without software prefetch
+// 2-core AMD EPYC (Zen 4), 11-17 against 24-27 GB/s at one thread, with or without software prefetch
 // (OPTIMISATIONS.md, "One stream per thread").
 
 #include "ops.h"

@@ -1,20 +1,26 @@
 """How many threads a CPU step runs on: the CPUs this process may use, less the ones other processes keep busy.
 
-minivllm only. vLLM 0.32's CPU worker binds one OpenMP thread to each CPU it is given, once, at start-up
-(``VLLM_CPU_OMP_THREADS_BIND``, default ``auto``: the CPUs of a NUMA node, ``vllm/v1/worker/cpu_worker.py``), and
-keeps that count. Every parallel region of a step (a matrix product, an attention kernel) splits its work evenly
-over the threads and ends at a barrier, so when another process holds one of the CPUs, each region waits for the
-thread that shares that CPU, and a 2-core machine runs slower with two threads than with one: on the AVX-512 class,
-170.4 output tok/s idle fell to 49.3 with two threads and a busy second core, and held at 110.7 with one
-(``minivllm/bench/OPTIMISATIONS.md``, issue 27).
+minivllm only. vLLM 0.32's CPU build fixes its thread count once, when a worker is started: ``OMP_NUM_THREADS`` and
+the OpenMP places are set from ``VLLM_CPU_OMP_THREADS_BIND`` (default ``auto``: one CPU per physical core of the
+rank's NUMA node, less the reserved ones; ``vllm/utils/ompmultiprocessing.py``), and the worker then turns
+``torch.set_num_threads`` into a no-op (``vllm/v1/worker/cpu_worker.py``). Every parallel region of a step (a matrix
+product, an attention kernel) splits its work evenly over the threads and ends at a barrier, so when another
+process holds one of the CPUs, each region waits for the thread that shares that CPU, and a 2-core machine runs
+slower with two threads than with one: on the AVX-512 class, 170.4 output tok/s idle fell to 49.3 with two threads
+and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIONS.md``, issue 27).
 
 :class:`CpuThreadGovernor` reads, twice a second at most, how much CPU time the machine's other processes used on
-this process's CPUs since the last reading (``/proc/stat`` less this process's own time, ``os.times``), and sets
-``torch.set_num_threads`` to the CPUs left, at least one. It is on only when nobody chose a thread count: the
-engine's worker builds one when torch's count at start-up equals the CPUs this process may run on, ``OMP_NUM_THREADS``
-is unset and ``MINIVLLM_CPU_THREADS_AUTO`` is not ``0``. minivllm's own kernels give the same bits for any thread
-count (each output is summed by one thread); oneDNN's and MKL's products need not, though SmolLM2's float32 logits
-were bit-identical with one thread and two in every step of a mixed run checked on the AVX-512 class.
+this process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor
+counts as used) and sets the thread count of the thread that runs the step (``torch.set_num_threads``) to the CPUs
+left, at least one: it gives up a thread when others use half a CPU or more, and takes it back when they leave
+more than 0.7 of it free, so a load near the line does not flip it every reading. It is on only when nobody chose
+a thread count: the engine's worker builds one when torch's count at start-up equals the CPUs this process may run
+on (on a machine with SMT, where torch's default is the physical cores, it therefore stays off),
+``OMP_NUM_THREADS`` is unset and ``MINIVLLM_CPU_THREADS_AUTO`` is not ``0`` (``python -m minivllm bench --threads N``
+sets it to ``0``). A ``torch.set_num_threads`` of the user's own while an engine with a governor runs is overridden
+at its next reading. minivllm's own kernels give the same bits for any thread count (each output is summed by one
+thread); oneDNN's and MKL's products need not, though SmolLM2's float32 logits were bit-identical with one thread
+and two in every step of a mixed run checked on the AVX-512 class.
 """
 
 from __future__ import annotations
@@ -64,7 +70,10 @@ class CpuThreadGovernor:
         clock, busy_seconds, own_seconds: where time and CPU use are read (tests pass their own).
 
     Attributes:
-        threads: the count set now. changes: how many times it changed.
+        threads: the count the last reading decided. changes: how many times a count was set.
+
+    Raises:
+        ValueError: ``max_threads < 1`` or ``interval_s <= 0``.
     """
 
     def __init__(self, max_threads: int, interval_s: float = INTERVAL_S,
@@ -73,35 +82,52 @@ class CpuThreadGovernor:
                  own_seconds: Callable[[], float] = own_cpu_seconds) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
+        if interval_s <= 0:
+            raise ValueError(f"interval_s must be > 0, got {interval_s}")
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(max_threads))
         self.max_threads, self.interval_s = max_threads, interval_s
         self._clock, self._own = clock, own_seconds
         self._busy = busy_seconds or (lambda: proc_stat_busy_seconds(cpus))
-        self._last: Tuple[float, float, float] = (clock(), self._busy(), own_seconds())
+        # The first reading is taken at the first step, not now: the time until then (compiling the kernels in a
+        # child process, an idle engine) says nothing about the load the steps will meet.
+        self._last: Optional[Tuple[float, float, float]] = None
         self.threads, self.changes = torch.get_num_threads(), 0
         # Give the count back when the engine goes, so that later work in the process gets the machine's default.
         self._finalizer = weakref.finalize(self, torch.set_num_threads, self.threads)
 
     def others_cpus(self) -> Optional[float]:
-        """CPUs' worth of time other processes used since the last reading; ``None`` before ``interval_s``."""
+        """CPUs' worth of time other processes used since the last reading; ``None`` at the first reading and
+        before ``interval_s`` has passed."""
         now = self._clock()
-        then, busy0, own0 = self._last
-        if now - then < self.interval_s:
+        if self._last is not None and now - self._last[0] < self.interval_s:
             return None
         busy, own = self._busy(), self._own()
-        self._last = (now, busy, own)
+        last, self._last = self._last, (now, busy, own)
+        if last is None:
+            return None
+        then, busy0, own0 = last
         return max(0.0, (busy - busy0) - (own - own0)) / (now - then)
 
     def update(self) -> int:
-        """Read the load when due and set torch's thread count; returns the count for this step."""
+        """Read the load when due and set the thread count of the calling thread; returns the count for this step.
+
+        torch's count belongs to the thread that sets it, so it is compared with the caller's own count: a step
+        run from another thread (an async server's) gets the decision too.
+        """
         others = self.others_cpus()
+        current = torch.get_num_threads()
+        target = current
         if others is not None:
-            # Half a CPU used by others counts as taken: the thread sharing it would make every barrier wait.
-            target = max(1, self.max_threads - int(others + 0.5))
-            if target != self.threads:
-                torch.set_num_threads(target)
-                self.threads, self.changes = target, self.changes + 1
-        return self.threads
+            lower = max(1, self.max_threads - int(others + 0.5))  # half a CPU used by others counts as taken
+            higher = max(1, self.max_threads - int(others + 0.7))  # a thread comes back only with 0.7 CPU free
+            target = lower if lower < current else max(current, higher)
+            self.threads = target
+        elif current != self.threads:
+            target = self.threads  # the decision in force, for a thread that has not had it yet
+        if target != current:
+            torch.set_num_threads(target)
+            self.changes += 1
+        return target
 
     def close(self) -> None:
         """Give torch its count from before (also done when the governor is collected)."""

@@ -70,7 +70,7 @@ def test_the_report_in_chinese(record):
         text = gpu_report.report(record)
     finally:
         set_language("en")
-    assert "全部正确性检查通过：是" in text and "抢占 1 次" in text
+    assert "正确性检查：全部通过" in text and "抢占 1 次" in text
 
 
 @pytest.mark.parametrize("env", [None, {"device": "cpu", "dry_run": True, "gpu": None},
@@ -110,3 +110,28 @@ def test_optimisations_quotes_the_records_cuda_graph_gains(record):
         text = (bench / name).read_text()
         for figure in figures:
             assert figure in text, (name, figure)
+
+
+def test_the_readmes_batch1_shares_of_the_bound(record):
+    """The READMEs' "0.3 % and 2.2 %" are the record's shares of the bandwidth-bound speed."""
+    from pathlib import Path
+
+    rows = record["throughput"]["batch1_vs_limits"]
+    eager, graphs = rows["minivllm[TRITON_ATTN,eager]"], rows["minivllm[TRITON_ATTN,cuda_graphs]"]
+    a, b = (f"{100 * row['fraction_of_bandwidth_bound']:.1f} %" for row in (eager, graphs))
+    root = Path(__file__).resolve().parents[2]
+    for name, quoted in (("README.md", f"{a} and {b}"), ("README.zh-CN.md", f"{a} 和 {b}")):
+        assert quoted in (root / name).read_text(), (name, quoted)
+
+
+def test_a_cut_short_file_and_a_scenario_that_did_not_happen(record):
+    set_language("en")
+    partial = json.loads(json.dumps(record))
+    del partial["bandwidth_1b"], partial["limits"]
+    partial["errors"] = {"bandwidth_1b": "CUDA error: out of memory\nTraceback ..."}
+    scenario = next(s for s in partial["equality"]["scenarios"] if s["scenario"] == "preemption")
+    scenario.update(num_preemptions=0, passed=False)  # equal tokens, but no preemption: the check failed
+    text = gpu_report.report(partial)
+    assert "bandwidth_1b: missing (CUDA error: out of memory)" in text and "limits: missing (not run)" in text
+    assert "preemption equal (check failed: the scenario did not happen as planned)" in text
+    assert "Llama 1B" not in text and "SmolLM2-135M, batch 1" in text

@@ -30,8 +30,11 @@ def restore_threads():
 
 
 def make(m, max_threads=2):
-    return CpuThreadGovernor(max_threads, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
-                             own_seconds=lambda: m.own)
+    """A governor over ``m`` that has taken its first reading (an engine's first step)."""
+    g = CpuThreadGovernor(max_threads, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
+                          own_seconds=lambda: m.own)
+    assert g.others_cpus() is None  # the first reading only sets the baseline
+    return g
 
 
 def test_a_busy_cpu_takes_a_thread_and_gives_it_back(restore_threads):
@@ -49,6 +52,47 @@ def test_a_busy_cpu_takes_a_thread_and_gives_it_back(restore_threads):
     assert g.changes == 2
 
 
+def test_a_load_near_the_line_does_not_flip_the_count(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=1.5, others=0.55)
+    assert g.update() == 1
+    for others in (0.45, 0.35, 0.5, 0.4):  # at one thread, 0.3-0.5 CPU used by others: not enough room to go back
+        m.run(1.0, ours=1.0, others=others)
+        assert g.update() == 1
+    m.run(1.0, ours=1.0, others=0.25)
+    assert g.update() == 2 and g.changes == 2
+
+
+def test_time_before_the_first_step_is_not_counted(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = CpuThreadGovernor(2, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
+                          own_seconds=lambda: m.own)
+    m.run(30.0, ours=0.0, others=2.0)  # e.g. the kernels compiled by a child process before the first step
+    assert g.update() == 2  # first step: the baseline
+    m.run(1.0, ours=2.0, others=0.0)
+    assert g.update() == 2 and g.changes == 0
+
+
+def test_a_step_from_another_thread_gets_the_decision(restore_threads):
+    """torch's thread count is per thread: a step run from another thread (an async server's) is set too."""
+    import threading
+
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=1.0, others=1.0)
+    assert g.update() == 1 and torch.get_num_threads() == 1
+    seen = []
+    worker = threading.Thread(target=lambda: seen.append((torch.get_num_threads(), g.update(),
+                                                          torch.get_num_threads())))
+    worker.start()
+    worker.join()
+    assert seen[0][1:] == (1, 1)
+
+
 def test_light_background_use_keeps_every_thread(restore_threads):
     torch.set_num_threads(2)
     m = FakeMachine()
@@ -62,7 +106,7 @@ def test_readings_wait_for_the_interval(restore_threads):
     m = FakeMachine()
     g = make(m)
     m.run(0.2, ours=1.0, others=1.0)
-    assert g.others_cpus() is None and g.update() == 2  # too soon: no reading, no change
+    assert g.update() == 2  # too soon: no reading, no change
     m.run(0.4, ours=1.0, others=1.0)
     assert g.update() == 1
 
@@ -77,9 +121,11 @@ def test_never_below_one_thread_and_closing_restores_the_count(restore_threads):
     assert torch.get_num_threads() == 4
 
 
-def test_bad_max_threads_is_refused():
+def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="max_threads must be >= 1"):
         CpuThreadGovernor(0)
+    with pytest.raises(ValueError, match="interval_s must be > 0"):
+        CpuThreadGovernor(2, interval_s=0)
 
 
 def test_proc_stat_counts_all_but_idle_and_iowait(tmp_path):
