@@ -55,3 +55,19 @@ def test_paris(real_llm):
                         SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0]
     assert out.outputs[0].text == "The capital of France is Paris."
     assert out.outputs[0].finish_reason == "stop"
+
+
+def test_loading_drops_the_parsed_gguf_and_keeps_the_config(real_llm):
+    """The GGUF reader (233 MiB resident for SmolLM2's file) is gone once the weights are read; the config is kept
+    on its own, and each caller gets its own copy."""
+    from minivllm.model import config as C
+    from minivllm.model.loader import default_model_path
+
+    assert real_llm.llm_engine.model.config.vocab_size == 49152
+    assert C._open_gguf.cache_info().currsize == 0
+    path = default_model_path()
+    hits = C._gguf_config.cache_info().hits
+    a, b = C.get_config(path), C.get_config(path)
+    assert a == b and a is not b
+    assert C._gguf_config.cache_info().hits >= hits + 1
+    assert C._open_gguf.cache_info().currsize == 0  # served from the config cache: no metadata parsed again

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from minivllm.config import ModelConfig
-from minivllm.model.config import LlamaConfig, open_gguf
+from minivllm.model.config import LlamaConfig, open_gguf, release_gguf
 from minivllm.model.llama import LlamaForCausalLM
 from minivllm.model.loader.base_loader import BaseModelLoader
 
@@ -64,6 +64,7 @@ class GGUFModelLoader(BaseModelLoader):
 
     def load_model(self, model_config: ModelConfig, device: torch.device, dtype: torch.dtype) -> LlamaForCausalLM:
         weights = read_gguf_weights(model_config.model, model_config.hf_config)
+        release_gguf()  # the parsed reader holds a quarter of a GiB; the config is cached on its own
         with torch.device("meta"):
             model = LlamaForCausalLM(model_config.hf_config)
         model.load_weights(weights)
