@@ -29,11 +29,12 @@ def restore_threads():
     torch.set_num_threads(before)
 
 
-def make(m, max_threads=2):
-    """A governor over ``m`` that has taken its first reading (an engine's first step)."""
+def make(m, max_threads=2, first_reading=True):
+    """A governor over ``m``; with ``first_reading``, one that has taken its first reading (an engine's first step)."""
     g = CpuThreadGovernor(max_threads, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
                           own_seconds=lambda: m.own)
-    assert g.others_cpus() is None  # the first reading only sets the baseline
+    if first_reading:
+        assert g.others_cpus() is None  # the first reading only sets the baseline
     return g
 
 
@@ -68,8 +69,7 @@ def test_a_load_near_the_line_does_not_flip_the_count(restore_threads):
 def test_time_before_the_first_step_is_not_counted(restore_threads):
     torch.set_num_threads(2)
     m = FakeMachine()
-    g = CpuThreadGovernor(2, interval_s=0.5, clock=lambda: m.now, busy_seconds=lambda: m.busy,
-                          own_seconds=lambda: m.own)
+    g = make(m, first_reading=False)
     m.run(30.0, ours=0.0, others=2.0)  # e.g. the kernels compiled by a child process before the first step
     assert g.update() == 2  # first step: the baseline
     m.run(1.0, ours=2.0, others=0.0)
