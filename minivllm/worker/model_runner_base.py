@@ -41,6 +41,7 @@ from minivllm.outputs import LogprobsEntry, ModelRunnerOutput
 from minivllm.request import is_partial_prefill
 from minivllm.worker.cuda_graphs import DecodeGraphRunner
 from minivllm.worker.input_batch import CachedRequestState, InputBatch, ModelInputs
+from minivllm.worker.kv_cache_alloc import allocate_kv_cache
 from minivllm.worker.sampler import Sampler, SamplingMetadata, gather_logprobs
 
 if TYPE_CHECKING:
@@ -192,7 +193,8 @@ class ModelRunnerBase:
         shape = (2, num_gpu_blocks + 1, self.block_size, self.num_kv_heads, cfg.head_dim)
         # One tensor per layer: [K|V, block, offset in block, kv head, head dim]. Under tensor parallelism each
         # rank's cache holds its own KV heads only, under the same block ids (the scheduler's block tables).
-        self.kv_caches = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(cfg.num_hidden_layers)]
+        # Zeroed; on the CPU paged in as blocks are first written, not at start-up (kv_cache_alloc).
+        self.kv_caches = allocate_kv_cache(shape, self.dtype, self.device, cfg.num_hidden_layers)
 
     def capture_model(self, max_num_seqs: int = 256) -> None:
         """Set up CUDA-graph replay of pure-decode steps of up to ``max_num_seqs`` requests, when this runner
