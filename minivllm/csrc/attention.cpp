@@ -14,11 +14,22 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIVLLM_AVX512_BF16 1
 #else
 #define MINIVLLM_AVX512_BF16 0
+#endif
+// The float32 scores of a block of keys, one vector register per key then one transposing reduction: 16 keys with
+// AVX-512, 8 with AVX2 (the width of one register); 0 where neither is compiled in.
+#if defined(__AVX512F__)
+#define MINIVLLM_F32_KEYS 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINIVLLM_F32_KEYS 8
+#else
+#define MINIVLLM_F32_KEYS 0
 #endif
 
 namespace minivllm {
@@ -42,7 +53,7 @@ inline float dot(const float* __restrict q, const typename S::storage* __restric
   return s;
 }
 
-#if MINIVLLM_AVX512_BF16
+#if defined(__AVX512F__)
 // v[k] -> the sum of v[k]'s 16 lanes, as lane k of the result: a transposing tree of 45 shuffles and adds instead
 // of 16 horizontal reductions of about 10 operations each.
 inline __m512 reduce16(const __m512* v) {
@@ -54,6 +65,64 @@ inline __m512 reduce16(const __m512* v) {
   const __m512 w0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
   const __m512 w1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
   return _mm512_add_ps(_mm512_shuffle_f32x4(w0, w1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0xDD));
+}
+#endif
+
+#if MINIVLLM_F32_KEYS == 8
+// v[k] -> the sum of v[k]'s 8 lanes, as lane k of the result: three rounds of pairwise adds and one swap of the
+// 128-bit halves, instead of 8 horizontal reductions.
+inline __m256 reduce8(const __m256* v) {
+  const __m256 t0 = _mm256_hadd_ps(v[0], v[1]), t1 = _mm256_hadd_ps(v[2], v[3]);
+  const __m256 t2 = _mm256_hadd_ps(v[4], v[5]), t3 = _mm256_hadd_ps(v[6], v[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);  // per half: v[0..3] | v[4..7]
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+#endif
+
+#if MINIVLLM_F32_KEYS > 0
+// logits[qh][k0 + k] = q[qh] . key k for the keys k < nk <= MINIVLLM_F32_KEYS of one block and the query heads of one
+// work item; q already scaled. The keys are read in memory order, row after row (so the hardware prefetcher
+// streams the block), each (query head, key) product left as one register of partial sums in `part` (in L1); one
+// transposing reduction per query head then turns a block's registers into its scores, instead of one horizontal
+// reduction per score. krow[k]: key k's token row (all KV heads); a query head reads its KV head's columns.
+template <int HD>
+inline void scores_f32(const float* q, const float* const* krow, int64_t nk, int64_t qh_per_item, int64_t group,
+                       int64_t h0, float* logits, int64_t max_len, int64_t k0, float* part) {
+  constexpr int KB = MINIVLLM_F32_KEYS;
+#if MINIVLLM_F32_KEYS == 16
+  using V = __m512;
+  auto load = [](const float* p) { return _mm512_loadu_ps(p); };
+  auto mul = [](V a, V b) { return _mm512_mul_ps(a, b); };
+  auto fma = [](V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); };
+  auto store = [](float* p, V v) { _mm512_storeu_ps(p, v); };
+#else
+  using V = __m256;
+  auto load = [](const float* p) { return _mm256_loadu_ps(p); };
+  auto mul = [](V a, V b) { return _mm256_mul_ps(a, b); };
+  auto fma = [](V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); };
+  auto store = [](float* p, V v) { _mm256_storeu_ps(p, v); };
+#endif
+  for (int64_t k = 0; k < nk; ++k) {
+    for (int64_t qh = 0; qh < qh_per_item; ++qh) {
+      const float* kv = krow[k] + (h0 + qh / group) * HD;
+      const float* qq = q + qh * HD;
+      V acc = mul(load(qq), load(kv));
+      for (int c = 1; c < HD / KB; ++c) acc = fma(load(qq + KB * c), load(kv + KB * c), acc);
+      store(part + (qh * KB + k) * KB, acc);
+    }
+  }
+  for (int64_t qh = 0; qh < qh_per_item; ++qh) {
+    V v[KB];
+    for (int k = 0; k < KB; ++k) v[k] = k < nk ? load(part + (qh * KB + k) * KB) : V{};
+#if MINIVLLM_F32_KEYS == 16
+    const __mmask16 keep = static_cast<__mmask16>(nk == 16 ? 0xFFFFu : (1u << nk) - 1u);
+    _mm512_mask_storeu_ps(logits + qh * max_len + k0, keep, reduce16(v));
+#else
+    alignas(32) float sums[8];
+    _mm256_store_ps(sums, reduce8(v));
+    for (int64_t k = 0; k < nk; ++k) logits[qh * max_len + k0 + k] = sums[k];
+#endif
+  }
 }
 #endif
 
@@ -146,7 +215,10 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
   parallel_for_dynamic(num_reqs * items_per_req, [&](auto next_item) {
     std::vector<float> q(qh_per_item * head_dim), acc(qh_per_item * head_dim), logits(qh_per_item * max_len);
-    std::vector<vfloat16> acc16(HD > 0 ? qh_per_item * HD / 16 : 0);
+    // One register wide (kLanes): a 16-lane GCC vector under AVX2 goes through the stack in 16-byte pieces.
+    using VL = Lanes<kLanes>::f;
+    std::vector<VL> accl(HD > 0 ? qh_per_item * HD / kLanes : 0);
+    std::vector<float> part(MINIVLLM_F32_KEYS > 0 ? qh_per_item * MINIVLLM_F32_KEYS * MINIVLLM_F32_KEYS : 0);
     for (int64_t item = next_item(); item >= 0; item = next_item()) {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       const int64_t len = len_ptr[r];
@@ -185,6 +257,26 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
             _mm512_mask_storeu_ps(logits.data() + qh * max_len + k0, keep,
                                   _mm512_mul_ps(reduce16(acc), _mm512_set1_ps(fscale)));
           }
+        }
+      } else
+#endif
+#if MINIVLLM_F32_KEYS > 0
+      if constexpr (std::is_same_v<S, F32> && HD > 0 && HD % MINIVLLM_F32_KEYS == 0) {
+        constexpr int KB = MINIVLLM_F32_KEYS;
+        for (int64_t i = 0; i < qh_per_item * head_dim; ++i) q[i] = q_raw[i] * fscale;
+        for (int64_t k0 = 0; k0 < len; k0 += KB) {
+          const int64_t nk = std::min<int64_t>(KB, len - k0);
+          const float* krow[KB];
+          if (block_size % KB == 0) {  // the keys lie in one block
+            const float* first = kv_ptr + (blocks[k0 / block_size] * block_size + k0 % block_size) * token_stride;
+            for (int k = 0; k < KB; ++k) krow[k] = first + std::min<int64_t>(k, nk - 1) * token_stride;
+          } else {
+            for (int k = 0; k < KB; ++k) {
+              const int64_t pos = k0 + std::min<int64_t>(k, nk - 1);  // past the end: repeat the last key
+              krow[k] = kv_ptr + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride;
+            }
+          }
+          scores_f32<HD>(q.data(), krow, nk, qh_per_item, group, h0, logits.data(), max_len, k0, part.data());
         }
       } else
 #endif
@@ -238,7 +330,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
 #endif
       if (!done) {
         std::fill(acc.begin(), acc.end(), 0.f);
-        std::fill(acc16.begin(), acc16.end(), vfloat16{});
+        std::fill(accl.begin(), accl.end(), VL{});
         for (int64_t pos = 0; pos < len; pos += block_size) {
           const T* v_block =
               kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
@@ -248,12 +340,12 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
               const T* v_row = v_block + t * token_stride + kh * head_dim;
               if constexpr (HD > 0) {
                 // The value row is widened to float32 once and used by every query head of the group.
-                vfloat16 v[HD / 16];
-                for (int c = 0; c < HD / 16; ++c) v[c] = load16<S>(v_row + 16 * c);
+                VL v[HD / kLanes];
+                for (int c = 0; c < HD / kLanes; ++c) v[c] = loadn<S, kLanes>(v_row + kLanes * c);
                 for (int64_t g = 0; g < group; ++g) {
                   const int64_t qh = kh * group + g;
                   const float p = logits[qh * max_len + pos + t];
-                  for (int c = 0; c < HD / 16; ++c) acc16[qh * (HD / 16) + c] += p * v[c];
+                  for (int c = 0; c < HD / kLanes; ++c) accl[qh * (HD / kLanes) + c] += p * v[c];
                 }
               } else {
                 for (int64_t g = 0; g < group; ++g) {
@@ -265,8 +357,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           }
         }
         if constexpr (HD > 0)
-          for (int64_t i = 0; i < qh_per_item * (HD / 16); ++i)
-            for (int j = 0; j < 16; ++j) acc[i * 16 + j] = acc16[i][j];
+          for (int64_t i = 0; i < qh_per_item * (HD / kLanes); ++i)
+            for (int j = 0; j < kLanes; ++j) acc[i * kLanes + j] = accl[i][j];
       }
       T* dst = out_ptr + row * out_row_stride + h0 * group * head_dim;
       for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
