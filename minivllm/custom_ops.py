@@ -48,6 +48,18 @@ SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activatio
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]
+# MINIVLLM_CPU_ISA: the -march that builds for a narrower class than this machine's (minivllm.bench.isa).
+MARCH_FOR_ISA = {"avx2": "-march=x86-64-v3"}
+
+
+def cflags() -> list:
+    """``CFLAGS``, with ``-march=native`` replaced when ``MINIVLLM_CPU_ISA`` names a narrower class.
+
+    Raises:
+        ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know (``minivllm.envs``).
+    """
+    isa = envs.MINIVLLM_CPU_ISA
+    return [MARCH_FOR_ISA[isa] if f == "-march=native" and isa else f for f in CFLAGS]
 
 _state: dict = {"loaded": None, "error": None}
 
@@ -69,7 +81,7 @@ def _build_name() -> str:
     h = hashlib.sha256()
     for name in SOURCES + ["ops.h", "cpu_utils.h"]:
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(cflags()).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_id().encode())
     return "minivllm_cpu_" + h.hexdigest()[:12]
@@ -92,9 +104,13 @@ def load(verbose: bool = False) -> bool:
 
     A failed build is remembered for the process: the error is in ``build_error()``, and a ``RuntimeWarning``
     is issued once.
+
+    Raises:
+        ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know, before anything is built.
     """
     if _state["loaded"] is not None:
         return _state["loaded"]
+    cflags()  # a wrong MINIVLLM_CPU_ISA is the user's error to see, not a failed build to fall back from
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
@@ -103,7 +119,7 @@ def load(verbose: bool = False) -> bool:
         cpp_load(
             name=_build_name(),
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=CFLAGS,
+            extra_cflags=cflags(),
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=verbose,

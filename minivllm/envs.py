@@ -22,6 +22,10 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
   unset, torch's count equal to the CPUs the process may use), the worker lowers torch's thread count while other
   processes keep CPUs busy and raises it again when they stop (``minivllm.worker.cpu_threads``); ``0`` keeps the
   count fixed. Read when a worker loads its model.
+* ``MINIVLLM_CPU_ISA`` (default unset: the machine's own): ``avx2`` builds minivllm's C++ kernels for x86-64-v3
+  (AVX2 and FMA, no AVX-512) instead of ``-march=native``, to run an AVX-512 machine's engine as the AVX2 class runs
+  it; ``python -m minivllm bench --isa avx2`` sets it with the libraries' own caps (``minivllm.bench.isa``). Read
+  when the kernels are built or loaded. Any other value raises ``ValueError`` naming the variable.
 * ``MINIVLLM_CACHE`` (default ``~/.cache/minivllm``): where the tokenizer files are unpacked.
 * ``MINIVLLM_VLLM_CHECK_MODEL`` (default ``$MINIVLLM_CACHE/vllm_check/SmolLM2-135M-Instruct-float32``): the
   float32 Hugging Face folder that the live vLLM check writes once and both engines load
@@ -63,6 +67,16 @@ def _optional_flag(name: str) -> Callable[[], Optional[bool]]:
     return read
 
 
+CPU_ISAS = ("avx2",)  # the values MINIVLLM_CPU_ISA takes besides unset
+
+
+def _cpu_isa() -> Optional[str]:
+    value = os.environ.get("MINIVLLM_CPU_ISA") or None
+    if value is not None and value not in CPU_ISAS:
+        raise ValueError(f"MINIVLLM_CPU_ISA must be unset or one of {', '.join(CPU_ISAS)}, got {value!r}")
+    return value
+
+
 environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CPU_KERNELS": _flag("MINIVLLM_CPU_KERNELS", "1"),
     "MINIVLLM_CPU_KERNELS_FP32": _flag("MINIVLLM_CPU_KERNELS_FP32", "1"),
@@ -72,6 +86,7 @@ environment_variables: Dict[str, Callable[[], Any]] = {
     "MINIVLLM_CACHE": lambda: os.environ.get(
         "MINIVLLM_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "minivllm")
     ),
+    "MINIVLLM_CPU_ISA": _cpu_isa,
     "MINIVLLM_LANG": lambda: os.environ.get("MINIVLLM_LANG") or None,
     "MINIVLLM_WORKER_ERROR_FILE": lambda: os.environ.get("MINIVLLM_WORKER_ERROR_FILE") or None,
     "MINIVLLM_VLLM_CHECK_MODEL": lambda: os.environ.get("MINIVLLM_VLLM_CHECK_MODEL") or os.path.join(

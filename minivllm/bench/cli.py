@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, kept for the whole run (default: torch's choice, which minivllm's engine lowers "
                         "while other processes keep CPUs busy: minivllm/worker/cpu_threads.py)")
+    p.add_argument("--isa", default="native", choices=["native", "avx2"],
+                   help="run as that CPU class runs: every library capped to it, minivllm's kernels built for it, "
+                        "on this machine's memory and clocks (minivllm/bench/isa.py)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"))
@@ -236,6 +239,12 @@ def main(argv: Optional[List[str]] = None) -> int:
         parser.print_usage(sys.stderr)
         print(f"error: {e}", file=sys.stderr)
         return 2
+    from minivllm.bench.isa import active_cap, capped_env
+
+    if a.isa != "native" and active_cap() != a.isa:
+        # The caps must be in the environment before PyTorch, oneDNN and MKL first read them: run again with them.
+        sys.stdout.flush()
+        os.execvpe(sys.executable, [sys.executable, "-m", "minivllm", "bench", *argv], capped_env(a.isa))
     out = run_benchmark(a)
     print()
     print(environment_line())

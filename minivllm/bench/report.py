@@ -10,6 +10,7 @@ from typing import Dict, List, Optional
 
 import torch
 
+from minivllm.bench.isa import active_cap
 from minivllm.bench.metrics import RunResult, median_run
 from minivllm.i18n import TABLE_LABEL, L_, _, ljust, pgettext, rjust, text_width
 
@@ -157,8 +158,13 @@ def environment_line(env: Optional[Dict] = None) -> str:
     """One line naming the CPU, its class, the threads and the load average, printed with every table."""
     env = env or environment()
     flags = ", ".join(env.get("cpu_flags") or []) or _("no AVX2")
-    return _("machine: {cpu} ({flags}), {cpus} CPUs, {threads} torch threads, load average {load:.2f}").format(
+    line = _("machine: {cpu} ({flags}), {cpus} CPUs, {threads} torch threads, load average {load:.2f}").format(
         cpu=env["cpu"], flags=flags, cpus=env["cpu_count"], threads=env["torch_threads"], load=env["loadavg"][0])
+    if env.get("isa_cap"):
+        line += "\n" + _("run as the {isa} class runs (bench --isa): every library capped to {isa} and minivllm's "
+                         "kernels built for it, on this machine's memory, caches and clocks, so not that class's "
+                         "figures").format(isa=env["isa_cap"].upper())
+    return line
 
 
 def environment() -> Dict:
@@ -182,6 +188,7 @@ def environment() -> Dict:
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "loadavg": list(os.getloadavg()),
+        "isa_cap": active_cap(),  # bench --isa: the class this run was capped to, None for the machine's own
     }
 
 

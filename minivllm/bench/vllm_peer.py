@@ -91,6 +91,11 @@ def run_vllm(
         env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
         if threads:
             env["VLLM_CPU_OMP_THREADS_BIND"] = f"0-{threads - 1}"
+        from minivllm.bench.isa import active_cap, write_vllm_child_sitecustomize
+
+        cap = active_cap(env)  # bench --isa: vLLM's own CPU queries are capped in the child and what it spawns
+        if cap:
+            env = write_vllm_child_sitecustomize(cap, tmp, env)
         r = subprocess.run([python, os.path.abspath(__file__), job_path, out_path], env=env, capture_output=True,
                            text=True, timeout=timeout_s)
         if r.returncode != 0 or not os.path.exists(out_path):
