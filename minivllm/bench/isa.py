@@ -4,8 +4,8 @@ machine.
 The project's machines differ between sessions (AVX512-BF16 on some, AVX2 only on others), and what runs on an
 AVX2 machine is other code: PyTorch's kernels for another vector width, oneDNN's and MKL's AVX2 paths, minivllm's C++
 kernels compiled without AVX-512 (where GCC lowers some 16-lane vector code through the stack), other dispatch
-thresholds (``packed_linear.fp32_packed_rows``), and in vLLM's CPU build its AVX2 library (``vllm._C_AVX2``) and
-attention ISA. Each library has its own documented cap, and ``--isa avx2`` sets all of them for minivllm, transformers
+thresholds (``packed_linear.fp32_packed_rows``), and in vLLM's CPU build its AVX2 library (``vllm._C_AVX2``, its
+kernels, attention's included, compiled for AVX2). Each library has its own documented cap, and ``--isa avx2`` sets all of them for minivllm, transformers
 and vLLM alike:
 
 * PyTorch: ``ATEN_CPU_CAPABILITY=avx2`` (its kernels' dispatch, and ``torch.compile``'s code generation in vLLM);
@@ -39,8 +39,8 @@ ISA_CAPS: Dict[str, Dict[str, str]] = {
 assert set(ISA_CAPS) == set(CPU_ISAS)
 
 # torch.cpu's queries that read the CPU itself (cpuinfo), not ATEN_CPU_CAPABILITY; vLLM 0.32 reads them in
-# vllm/platforms/cpu.py (which library to import), vllm/v1/attention/backends/cpu_attn.py (the attention ISA) and
-# vllm/model_executor/layers/utils.py (weight packing).
+# vllm/platforms/cpu.py (which library to import: _C_AVX2 without AVX-512), vllm/v1/attention/backends/cpu_attn.py
+# (AMX for bfloat16) and vllm/model_executor/layers/utils.py (weight packing).
 _AVX512_QUERIES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
                    "_is_amx_tile_supported", "_is_amx_fp16_supported")
 
