@@ -56,9 +56,13 @@ def cflags() -> list:
     """``CFLAGS``, with ``-march=native`` replaced when ``MINIVLLM_CPU_ISA`` names a narrower class.
 
     Raises:
-        ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know (``minivllm.envs``).
+        ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know (``minivllm.envs``), or ``avx2`` on a CPU
+            without AVX2 and FMA.
     """
     isa = envs.MINIVLLM_CPU_ISA
+    if isa == "avx2" and not {"avx2", "fma"} <= set(_cpu_id().split()):
+        raise ValueError("MINIVLLM_CPU_ISA=avx2 needs a CPU with AVX2 and FMA (this one lacks them): the kernels would "
+                         "stop with an illegal instruction")
     return [MARCH_FOR_ISA[isa] if f == "-march=native" and isa else f for f in CFLAGS]
 
 _state: dict = {"loaded": None, "error": None}

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import subprocess
 import sys
 import time
 from typing import Dict, List, Optional
@@ -242,9 +243,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     from minivllm.bench.isa import active_cap, capped_env
 
     if a.isa != "native" and active_cap() != a.isa:
-        # The caps must be in the environment before PyTorch, oneDNN and MKL first read them: run again with them.
+        # The caps must be in the environment before PyTorch, oneDNN and MKL first read them: run again with them, in
+        # a child, so that a caller running main() in its own process (a notebook's kernel) keeps that process.
         sys.stdout.flush()
-        os.execvpe(sys.executable, [sys.executable, "-m", "minivllm", "bench", *argv], capped_env(a.isa))
+        return subprocess.call([sys.executable, "-m", "minivllm", "bench", *argv], env=capped_env(a.isa))
     out = run_benchmark(a)
     print()
     print(environment_line())

@@ -57,7 +57,7 @@ def check_isa(isa: str) -> str:
 
 
 def capped_env(isa: str, base: Optional[Mapping[str, str]] = None) -> Dict[str, str]:
-    """``base`` (default ``os.environ``) with ``isa``'s caps set; ``base`` itself for ``native``.
+    """A copy of ``base`` (default ``os.environ``) with ``isa``'s caps set; for ``native``, unchanged.
 
     Raises:
         ValueError: for an unknown ``isa`` (``check_isa``).

@@ -82,9 +82,10 @@ inline __m256 reduce8(const __m256* v) {
 #if MINIVLLM_F32_KEYS > 0
 // logits[qh][k0 + k] = q[qh] . key k for the keys k < nk <= MINIVLLM_F32_KEYS of one block and the query heads of one
 // work item; q already scaled. The keys are read in memory order, row after row (so the hardware prefetcher
-// streams the block), each (query head, key) product left as one register of partial sums in `part` (in L1); one
-// transposing reduction per query head then turns a block's registers into its scores, instead of one horizontal
-// reduction per score. krow[k]: key k's token row (all KV heads); a query head reads its KV head's columns.
+// streams the block), each (query head, key) product left as one register of partial sums in `part` (in L1 at
+// this size: 9 query heads need 9 KiB with AVX-512, 32 would need 32); one transposing reduction per query head
+// then turns a block's registers into its scores, instead of one horizontal reduction per score. krow[k]: key k's
+// token row (all KV heads); a query head reads its KV head's columns.
 template <int HD>
 inline void scores_f32(const float* q, const float* const* krow, int64_t nk, int64_t qh_per_item, int64_t group,
                        int64_t h0, float* logits, int64_t max_len, int64_t k0, float* part) {

@@ -84,7 +84,7 @@ inline void dispatch_float_types(const char* op, at::ScalarType dtype, Body&& bo
 // at a time: a loop over such vectors runs several times slower than the same loop over 8 lanes, one AVX2 register
 // (SiLU-and-mul in float32: minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"). kLanes is the width that
 // maps onto one register of the CPU the kernels are built for; activation.cpp and the decode softmax in attention.cpp
-// use it (the rest of the decode kernel still works in 16 lanes).
+// use it (the decode kernel's value sums too; its float32 scores use intrinsics, 16 or 8 keys at a time).
 template <int N>
 struct Lanes {
   typedef float f __attribute__((vector_size(4 * N)));

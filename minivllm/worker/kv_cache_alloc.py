@@ -3,9 +3,9 @@
 vLLM 0.32 allocates every layer's cache in one ``torch.zeros`` buffer (``allocate_kv_cache``,
 ``vllm/v1/worker/utils.py`` L564; 0.33 the same, L564), and its CPU build takes its model runner from the GPU one,
 so the whole cache is written at start-up and stays resident: with 1 GiB of KV cache the process holds 1 GiB more
-than its weights before the first request. On the CPU minivllm maps the cache as anonymous memory instead
-(``mmap.mmap(-1, n)``, the kernel's ``MAP_ANONYMOUS``), which the kernel guarantees to read as zeros and backs with
-pages only when first written: the same contents as ``torch.zeros``, without the start-up write, and the resident
+than its weights before the first request. On the CPU minivllm maps the cache as private anonymous memory instead
+(``mmap.mmap(-1, n, flags=MAP_PRIVATE | MAP_ANONYMOUS)``), which the kernel guarantees to read as zeros and backs
+with pages of its own only when first written (a read of an untouched page maps the shared zero page): the same contents as ``torch.zeros``, without the start-up write, and the resident
 set grows with the blocks a run actually uses (``calloc`` does the same for large sizes). How far it grows depends
 on the ``BlockPool``'s free queue: a freed block without a prefix-cache hash goes to its front and is reused first,
 so without prefix caching the resident part stays near the most blocks in use at once; a freed cached block goes to
@@ -35,7 +35,10 @@ def zeroed_cpu_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     nbytes = math.prod(shape) * torch.tensor([], dtype=dtype).element_size()
     if nbytes <= 0:
         raise ValueError(f"shape must hold at least one element, got {tuple(shape)}")
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(*shape)
+    # Private, not mmap's default MAP_SHARED: shared anonymous memory is shmem, whose pages a mere read allocates and
+    # which a fork() would share between processes.
+    mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return torch.frombuffer(mapping, dtype=dtype).view(*shape)
 
 
 def allocate_kv_cache(shape: Sequence[int], dtype: torch.dtype, device: torch.device, num_layers: int

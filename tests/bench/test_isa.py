@@ -80,3 +80,10 @@ def test_bench_isa_reruns_itself_capped_and_records_it(tmp_path):
     data = json.loads(out_json.read_text())
     assert data["environment"]["isa_cap"] == "avx2"
     assert data["args"]["isa"] == "avx2"
+
+
+def test_minivllm_cpu_isa_avx2_is_refused_on_a_cpu_without_avx2(monkeypatch):
+    monkeypatch.setenv("MINIVLLM_CPU_ISA", "avx2")
+    monkeypatch.setattr(custom_ops, "_cpu_id", lambda: "flags\t\t: fpu sse sse2 avx")
+    with pytest.raises(ValueError, match="MINIVLLM_CPU_ISA=avx2 needs a CPU with AVX2 and FMA"):
+        custom_ops.cflags()
