@@ -67,6 +67,13 @@ def destroy_model_parallel() -> None:
     global _TP_GROUP, _TP_RANK, _TP_SIZE
     _TP_GROUP, _TP_RANK, _TP_SIZE = None, 0, 1
     if dist.is_initialized():
+        if dist.get_world_size() > 1:
+            # Every rank at the same point first: a rank that tears its gloo connections down while a peer's last
+            # collective still reads them kills that peer (std::terminate in gloo's receive thread, seen under torchrun).
+            try:
+                dist.barrier()
+            except RuntimeError:
+                pass  # a peer already gone: nothing left to wait for
         dist.destroy_process_group()
 
 
