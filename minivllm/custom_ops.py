@@ -81,11 +81,11 @@ def _cpu_id() -> str:
     return flags
 
 
-def _build_name() -> str:
+def _build_name(flags: list) -> str:
     h = hashlib.sha256()
     for name in SOURCES + ["ops.h", "cpu_utils.h"]:
         h.update((CSRC / name).read_bytes())
-    h.update(" ".join(cflags()).encode())
+    h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_id().encode())
     return "minivllm_cpu_" + h.hexdigest()[:12]
@@ -114,16 +114,16 @@ def load(verbose: bool = False) -> bool:
     """
     if _state["loaded"] is not None:
         return _state["loaded"]
-    cflags()  # a wrong MINIVLLM_CPU_ISA is the user's error to see, not a failed build to fall back from
+    flags = cflags()  # outside the try: a wrong MINIVLLM_CPU_ISA is the user's error, not a build to fall back from
     try:
         from torch.utils.cpp_extension import load as cpp_load
 
         _put_ninja_on_path()
 
         cpp_load(
-            name=_build_name(),
+            name=_build_name(flags),
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=cflags(),
+            extra_cflags=flags,
             extra_ldflags=["-fopenmp"],
             is_python_module=False,
             verbose=verbose,

@@ -23,6 +23,7 @@ import sys
 import time
 from typing import Dict, List, Optional
 
+from minivllm.envs import CPU_ISAS
 from minivllm.i18n import _
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads, kept for the whole run (default: torch's choice, which minivllm's engine lowers "
                         "while other processes keep CPUs busy: minivllm/worker/cpu_threads.py)")
-    p.add_argument("--isa", default="native", choices=["native", "avx2"],
+    p.add_argument("--isa", default="native", choices=["native", *CPU_ISAS],
                    help="run as that CPU class runs: every library capped to it, minivllm's kernels built for it, "
                         "on this machine's memory and clocks (minivllm/bench/isa.py)")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")

@@ -53,6 +53,22 @@ inline float dot(const float* __restrict q, const typename S::storage* __restric
   return s;
 }
 
+// krow[k] = the token row (all KV heads) of key k0 + k, for the KB keys a vector kernel reads at once; past the last
+// key (k >= nk) the last one again, so that the kernel reads no row outside the request's blocks.
+template <int KB, typename T>
+inline void key_rows(const T* kv, const int64_t* blocks, int64_t block_size, int64_t token_stride, int64_t k0,
+                     int64_t nk, const T** krow) {
+  if (block_size % KB == 0) {  // the keys lie in one block
+    const T* first = kv + (blocks[k0 / block_size] * block_size + k0 % block_size) * token_stride;
+    for (int k = 0; k < KB; ++k) krow[k] = first + std::min<int64_t>(k, nk - 1) * token_stride;
+    return;
+  }
+  for (int k = 0; k < KB; ++k) {
+    const int64_t pos = k0 + std::min<int64_t>(k, nk - 1);
+    krow[k] = kv + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride;
+  }
+}
+
 #if defined(__AVX512F__)
 // v[k] -> the sum of v[k]'s 16 lanes, as lane k of the result: a transposing tree of 45 shuffles and adds instead
 // of 16 horizontal reductions of about 10 operations each.
@@ -234,15 +250,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         for (int64_t k0 = 0; k0 < len; k0 += 16) {
           const int64_t nk = std::min<int64_t>(16, len - k0);
           const T* krow[16];
-          if (block_size % 16 == 0) {  // the 16 keys lie in one block
-            const T* first = kv_ptr + (blocks[k0 / block_size] * block_size + k0 % block_size) * token_stride;
-            for (int k = 0; k < 16; ++k) krow[k] = first + std::min<int64_t>(k, nk - 1) * token_stride;
-          } else {
-            for (int k = 0; k < 16; ++k) {
-              const int64_t pos = k0 + std::min<int64_t>(k, nk - 1);  // past the end: repeat the last key
-              krow[k] = kv_ptr + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride;
-            }
-          }
+          key_rows<16>(kv_ptr, blocks, block_size, token_stride, k0, nk, krow);
           const __mmask16 keep = static_cast<__mmask16>(nk == 16 ? 0xFFFFu : (1u << nk) - 1u);
           for (int64_t qh = 0; qh < qh_per_item; ++qh) {
             const int64_t off = (h0 + qh / group) * HD;
@@ -268,15 +276,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
         for (int64_t k0 = 0; k0 < len; k0 += KB) {
           const int64_t nk = std::min<int64_t>(KB, len - k0);
           const float* krow[KB];
-          if (block_size % KB == 0) {  // the keys lie in one block
-            const float* first = kv_ptr + (blocks[k0 / block_size] * block_size + k0 % block_size) * token_stride;
-            for (int k = 0; k < KB; ++k) krow[k] = first + std::min<int64_t>(k, nk - 1) * token_stride;
-          } else {
-            for (int k = 0; k < KB; ++k) {
-              const int64_t pos = k0 + std::min<int64_t>(k, nk - 1);  // past the end: repeat the last key
-              krow[k] = kv_ptr + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride;
-            }
-          }
+          key_rows<KB>(kv_ptr, blocks, block_size, token_stride, k0, nk, krow);
           scores_f32<HD>(q.data(), krow, nk, qh_per_item, group, h0, logits.data(), max_len, k0, part.data());
         }
       } else
