@@ -39,7 +39,8 @@ ISA_CAPS: Dict[str, Dict[str, str]] = {
 assert set(ISA_CAPS) == set(CPU_ISAS)
 
 # torch.cpu's queries that read the CPU itself (cpuinfo), not ATEN_CPU_CAPABILITY; vLLM 0.32 reads them in
-# vllm/platforms/cpu.py (which library to import: _C_AVX2 without AVX-512), vllm/v1/attention/backends/cpu_attn.py
+# vllm/platforms/cpu.py (which library to import: _C_AVX2 without AVX-512; import_kernels,
+# https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/platforms/cpu.py#L631, 0.33: L657), vllm/v1/attention/backends/cpu_attn.py
 # (AMX for bfloat16) and vllm/model_executor/layers/utils.py (weight packing).
 _AVX512_QUERIES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
                    "_is_amx_tile_supported", "_is_amx_fp16_supported")
