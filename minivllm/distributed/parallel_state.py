@@ -13,7 +13,10 @@ The layers read the group *when they are built* (as vLLM's do): a model built af
 from __future__ import annotations
 
 import contextlib
+import datetime
 import os
+import threading
+import weakref
 from typing import Iterator, Optional
 
 import torch
@@ -33,7 +36,8 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
         distributed_init_method: a rendezvous URL (``"tcp://host:port"``), or ``"env://"`` under ``torchrun``
             (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE`` from the environment).
         backend: ``"gloo"`` (CPU tensors) or ``"nccl"`` (CUDA tensors); ``None`` picks NCCL when CUDA is
-            available, else gloo, as vLLM's platform does.
+            available, else gloo, as vLLM's platform does. ``"gloo"`` is gloo with one worker thread
+            (``GLOO_ONE_WORKER``; why: ``drain_gloo_worker``).
         local_rank: the CUDA device of this process on its machine (ignored on the CPU).
     """
     if dist.is_initialized():
@@ -42,7 +46,33 @@ def init_distributed_environment(world_size: int, rank: int, distributed_init_me
         backend = "nccl" if torch.cuda.is_available() else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(local_rank)
+    elif backend == "gloo":
+        backend = _register_gloo_one_worker()
     dist.init_process_group(backend, init_method=distributed_init_method, world_size=world_size, rank=rank)
+
+
+GLOO_ONE_WORKER = "minivllm_gloo"
+"""The name under which ``torch.distributed`` knows gloo with one worker thread (torch's gloo has two, and
+``init_process_group`` takes no gloo options). minivllm's collectives are synchronous, one at a time, so a second
+thread never runs anything; with one, the thread finishes each collective, lets go of it, and only then takes the
+next, which ``drain_gloo_worker`` relies on."""
+
+
+def _new_gloo_one_worker(store: dist.Store, rank: int, size: int, timeout: datetime.timedelta) -> dist.Backend:
+    from torch.distributed import ProcessGroupGloo
+
+    options = ProcessGroupGloo._Options()
+    options._timeout = timeout
+    options._devices = [ProcessGroupGloo.create_default_device()]
+    options._threads = 1
+    return ProcessGroupGloo(store, rank, size, options)
+
+
+def _register_gloo_one_worker() -> str:
+    if GLOO_ONE_WORKER not in dist.Backend.backend_list:
+        # Only for "cpu"; torch keeps plain "gloo" as the CPU default of every other group in the process.
+        dist.Backend.register_backend(GLOO_ONE_WORKER, _new_gloo_one_worker, devices=["cpu"])
+    return GLOO_ONE_WORKER
 
 
 def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
@@ -62,19 +92,55 @@ def initialize_model_parallel(tensor_model_parallel_size: int) -> None:
     _TP_RANK, _TP_SIZE = dist.get_rank(), tensor_model_parallel_size
 
 
-def destroy_model_parallel() -> None:
-    """Leave the group and the ``torch.distributed`` world (a worker's last step)."""
+def destroy_model_parallel(release_timeout_s: float = 10.0) -> None:
+    """Leave the group and the ``torch.distributed`` world (a worker's last step).
+
+    On gloo it first lets gloo's worker thread finish with every tensor the collectives gave it
+    (``drain_gloo_worker``, at most ``release_timeout_s`` seconds), so that a process that exits right after does
+    not abort.
+    """
     global _TP_GROUP, _TP_RANK, _TP_SIZE
     _TP_GROUP, _TP_RANK, _TP_SIZE = None, 0, 1
     if dist.is_initialized():
-        if dist.get_world_size() > 1:
-            # Every rank at the same point first: a rank that tears its gloo connections down while a peer's last
-            # collective still reads them kills that peer (std::terminate in gloo's receive thread, seen under torchrun).
-            try:
-                dist.barrier()
-            except RuntimeError:
-                pass  # a peer already gone: nothing left to wait for
+        if dist.get_backend() == GLOO_ONE_WORKER:
+            drain_gloo_worker(release_timeout_s)
         dist.destroy_process_group()
+
+
+def drain_gloo_worker(timeout_s: float = 10.0) -> bool:
+    """Return once gloo's worker thread holds no tensor that has a Python object, every rank having got here;
+    ``False`` when a peer is gone or ``timeout_s`` passed first.
+
+    Why: a collective's work object holds its tensors, and gloo's worker thread drops its reference after the
+    caller's ``wait()`` has returned. Under torch 2.13's PyObject preservation, dropping a reference to a tensor
+    that has a Python object takes the GIL. If the main thread is finalizing the interpreter by then, the worker
+    thread is ended inside a ``noexcept`` C++ frame and the process aborts ("terminate called without an active
+    exception", SIGABRT, after every token was out: torch issue #190489; an ``atexit`` fix, pytorch PR #179291,
+    was abandoned). ``destroy_process_group`` does not stop gloo's threads, and a barrier alone does not help:
+    gloo's barrier keeps weak references to the works still queued or running when it was called, which keep
+    their tensors until the barrier itself is dropped, on the worker thread.
+
+    How, with one worker thread (``GLOO_ONE_WORKER``), which drops each work, holding gloo's work lock, before it
+    takes the next:
+
+    1. an all-reduce of a tensor only this function holds, with a ``weakref.finalize`` on it: it fires when the
+       tensor is freed, which is after every earlier work was dropped, and either while the worker drops this
+       one (lock held) or, if the worker let go first, when this function does;
+    2. then a barrier: it takes that lock to list the works in progress, so it waits for the worker to finish
+       dropping, finds none, and holds no tensor of Python's. It is the last work; dropping it takes no GIL.
+    """
+    released = threading.Event()
+    sentinel = torch.zeros(1)
+    weakref.finalize(sentinel, released.set)
+    try:
+        dist.all_reduce(sentinel)
+        del sentinel
+        if not released.wait(timeout_s):
+            return False
+        dist.barrier()
+    except RuntimeError:
+        return False  # a peer already gone (gloo raises at once on a closed connection)
+    return True
 
 
 def model_parallel_is_initialized() -> bool:
