@@ -1,7 +1,7 @@
-"""``drain_gloo_worker`` (minivllm/distributed/parallel_state.py): gloo's worker thread lets go of a collective's
-tensors after the caller's ``wait()``, and under torch 2.13 that release takes the GIL, so a process that exits
-while the worker still holds one can abort at shutdown (std::terminate). These tests make the hazard happen on
-purpose, with two real gloo ranks, and check that the drain ends it.
+"""``drain_gloo_worker`` (minivllm/distributed/parallel_state.py): gloo's worker thread may let go of a
+collective's tensors after the caller's ``wait()``, and under torch 2.13 that release takes the GIL, so a process
+that exits while the worker still holds one can abort at shutdown (std::terminate). This test makes the hazard
+happen on purpose, with two real gloo ranks, and checks that the drain ends it.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def runloops():  # gloo's worker threads (torch names them when they start)
 if rank == 1:
     time.sleep(1.0)  # rank 0's collective cannot finish before this
     dist.all_reduce(torch.ones(3))
-    print(json.dumps({"drained": parallel_state.drain_gloo_worker()}))
+    done = time.monotonic()  # the same clock in both processes
+    print(json.dumps({"drained": parallel_state.drain_gloo_worker(), "collective_done": done}))
     parallel_state.destroy_model_parallel()
     sys.exit(0)
 # Rank 0: hand gloo a tensor and drop every reference of ours before the collective can finish, so that gloo's
@@ -42,12 +43,13 @@ del x
 t0 = time.monotonic()
 while time.monotonic() - t0 < 2.5:
     pass
+spin_end = time.monotonic()
 held_before = alive() is not None
 drained = parallel_state.drain_gloo_worker()
 held_after = alive() is not None
 # Only now anything that reads a file: file I/O lets go of the GIL.
 print(json.dumps({"runloops": runloops(), "backend": dist.get_backend(), "held_before": held_before,
-                  "drained": drained, "held_after": held_after}))
+                  "drained": drained, "held_after": held_after, "spin_end": spin_end}))
 parallel_state.destroy_model_parallel()
 '''
 
@@ -60,15 +62,20 @@ def test_drain_waits_until_gloo_has_let_go_of_every_tensor(tmp_path):
     port = str(get_open_port())
     procs = [subprocess.Popen([sys.executable, str(script), str(r), port], stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True, env=env, cwd=tmp_path) for r in range(2)]
-    outs = [p.communicate(timeout=120) for p in procs]
+    try:
+        outs = [p.communicate(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
     for p, (_, err) in zip(procs, outs):
         assert p.returncode == 0, err[-3000:]
     rank0 = json.loads(outs[0][0].strip().splitlines()[-1])
     rank1 = json.loads(outs[1][0].strip().splitlines()[-1])
     # One worker thread, not torch's default two: the drain's ordering argument needs it.
     assert rank0["runloops"] == 1 and rank0["backend"] == "minivllm_gloo"
-    # The hazard happened: the collective was over, and gloo's worker still held the tensor, waiting for the GIL...
-    assert rank0["held_before"] is True
+    # The hazard happened: the collective was over before rank 0 looked (rank 1's clock says so), and gloo's
+    # worker still held the tensor, waiting for the GIL...
+    assert rank1["collective_done"] < rank0["spin_end"] and rank0["held_before"] is True
     # ...and the drain returned only after it had let go.
     assert rank0["drained"] is True and rank0["held_after"] is False
     assert rank1["drained"] is True
