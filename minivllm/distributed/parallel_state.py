@@ -8,6 +8,13 @@ replaces, and no collective is called.
 
 The layers read the group *when they are built* (as vLLM's do): a model built after
 ``initialize_model_parallel(2)`` holds one rank's share of each weight.
+
+Where minivllm differs from vLLM 0.32: on the CPU the world is gloo with one worker thread (``GLOO_ONE_WORKER``),
+and leaving it first drains that thread (``drain_gloo_worker``), because with torch 2.13 a process that exits
+while gloo's thread still holds a collective's tensor can abort. vLLM's ``init_distributed_environment`` and
+``destroy_distributed_environment`` use torch's gloo as it is; its CPU build's tensor-parallel collectives go
+through its own shared-memory kernels when the ranks share a machine (``_CPUSHMDistributed``,
+``vllm/distributed/device_communicators/cpu_communicator.py``), not through gloo.
 """
 
 from __future__ import annotations
