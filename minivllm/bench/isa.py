@@ -5,8 +5,8 @@ The project's machines differ between sessions (AVX512-BF16 on some, AVX2 only o
 AVX2 machine is other code: PyTorch's kernels for another vector width, oneDNN's and MKL's AVX2 paths, minivllm's C++
 kernels compiled without AVX-512 (where GCC lowers some 16-lane vector code through the stack), other dispatch
 thresholds (``packed_linear.fp32_packed_rows``), and in vLLM's CPU build its AVX2 library (``vllm._C_AVX2``, its
-kernels, attention's included, compiled for AVX2). Each library has its own documented cap, and ``--isa avx2`` sets all of them for minivllm, transformers
-and vLLM alike:
+kernels, attention's included, compiled for AVX2). Each library has its own documented cap, and ``--isa avx2`` sets
+all of them for minivllm, transformers and vLLM alike:
 
 * PyTorch: ``ATEN_CPU_CAPABILITY=avx2`` (its kernels' dispatch, and ``torch.compile``'s code generation in vLLM);
 * oneDNN: ``ONEDNN_MAX_CPU_ISA=AVX2``; MKL: ``MKL_ENABLE_INSTRUCTIONS=AVX2``;
@@ -40,8 +40,8 @@ assert set(ISA_CAPS) == set(CPU_ISAS)
 
 # torch.cpu's queries that read the CPU itself (cpuinfo), not ATEN_CPU_CAPABILITY; vLLM 0.32 reads them in
 # vllm/platforms/cpu.py (which library to import: _C_AVX2 without AVX-512; import_kernels,
-# https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/platforms/cpu.py#L631, 0.33: L657), vllm/v1/attention/backends/cpu_attn.py
-# (AMX for bfloat16) and vllm/model_executor/layers/utils.py (weight packing).
+# https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/platforms/cpu.py#L631, 0.33: L657),
+# vllm/v1/attention/backends/cpu_attn.py (AMX for bfloat16) and vllm/model_executor/layers/utils.py (weight packing).
 _AVX512_QUERIES = ("_is_avx512_supported", "_is_avx512_bf16_supported", "_is_avx512_vnni_supported",
                    "_is_amx_tile_supported", "_is_amx_fp16_supported")
 
@@ -94,11 +94,12 @@ def vllm_child_sitecustomize(isa: str) -> str:
 
 
 def write_vllm_child_sitecustomize(isa: str, folder: str, env: Dict[str, str]) -> Dict[str, str]:
-    """Write ``vllm_child_sitecustomize(isa)`` into ``folder`` and return ``env`` with ``folder`` first on
-    ``PYTHONPATH``; ``env`` unchanged for ``native``."""
+    """Write ``vllm_child_sitecustomize(isa)`` into ``folder`` (made if missing) and return ``env`` with ``folder``
+    first on ``PYTHONPATH``; ``env`` unchanged for ``native``."""
     text = vllm_child_sitecustomize(isa)
     if not text:
         return env
+    os.makedirs(folder, exist_ok=True)
     with open(os.path.join(folder, "sitecustomize.py"), "w") as f:
         f.write(text)
     env = dict(env)

@@ -95,7 +95,6 @@ def run_vllm(
 
         cap = active_cap(env)  # bench --isa: vLLM's own CPU queries are capped in the child and what it spawns
         if cap:  # a folder of its own: tmp also holds model/ and job.json, which must not be importable
-            os.makedirs(os.path.join(tmp, "site"))
             env = write_vllm_child_sitecustomize(cap, os.path.join(tmp, "site"), env)
         r = subprocess.run([python, os.path.abspath(__file__), job_path, out_path], env=env, capture_output=True,
                            text=True, timeout=timeout_s)

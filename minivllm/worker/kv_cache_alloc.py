@@ -2,8 +2,8 @@
 
 vLLM 0.32 allocates every layer's cache in one ``torch.zeros`` buffer (`allocate_kv_cache
 <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/worker/utils.py#L564>`_; 0.33 the same, `L564
-<https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/worker/utils.py#L564>`_), and its CPU build takes its model runner from the GPU one,
-so the whole cache is written at start-up and stays resident: with 1 GiB of KV cache the process holds 1 GiB more
+<https://github.com/vllm-project/vllm/blob/v0.33.0/vllm/v1/worker/utils.py#L564>`_), and its CPU build takes its
+model runner from the GPU one, so the whole cache is written at start-up and stays resident: with 1 GiB of KV cache the process holds 1 GiB more
 than its weights before the first request. On the CPU minivllm maps the cache as private anonymous memory instead
 (``mmap.mmap(-1, n, flags=MAP_PRIVATE | MAP_ANONYMOUS)``), which the kernel guarantees to read as zeros and backs
 with pages of its own only when first written (a read of an untouched page maps the shared zero page): the same
