@@ -11,10 +11,14 @@ The layers read the group *when they are built* (as vLLM's do): a model built af
 
 Where minivllm differs from vLLM 0.32: on the CPU the world is gloo with one worker thread (``GLOO_ONE_WORKER``),
 and leaving it first drains that thread (``drain_gloo_worker``), because with torch 2.13 a process that exits
-while gloo's thread still holds a collective's tensor can abort. vLLM's ``init_distributed_environment`` and
-``destroy_distributed_environment`` use torch's gloo as it is; its CPU build's tensor-parallel collectives go
-through its own shared-memory kernels when the ranks share a machine (``_CPUSHMDistributed``,
-``vllm/distributed/device_communicators/cpu_communicator.py``), not through gloo.
+while gloo's thread still holds a collective's tensor can abort. vLLM's `init_distributed_environment
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/distributed/parallel_state.py#L1814>`_ and
+`destroy_distributed_environment
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/distributed/parallel_state.py#L2506>`_ use torch's gloo as
+it is; its CPU build's tensor-parallel collectives go through its own shared-memory kernels when the ranks share a
+machine (`_CPUSHMDistributed
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/distributed/device_communicators/cpu_communicator.py#L228>`_),
+not through gloo.
 """
 
 from __future__ import annotations
