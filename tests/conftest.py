@@ -21,7 +21,8 @@ import pytest  # noqa: E402
 # stays the README's command. The lane is read from the path, so a file is in exactly one lane and cannot drift from
 # it; tests/package/test_packaging.py fails on a test file outside a lane folder or a folder that is no marker.
 # Each lane folder is a package (__init__.py): pytest imports its files as `engine.test_api` and so on, with tests/
-# itself on sys.path, which keeps the shared helpers here (kv_invariants.py, triton_child.py) importable by name.
+# itself on sys.path, which keeps the shared helpers here (kv_invariants.py, step_logits.py,
+# triton_child.py) importable by name.
 TESTS_DIR = Path(__file__).resolve().parent
 
 

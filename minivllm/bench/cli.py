@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--isa", default="native", choices=["native", *CPU_ISAS],
                    help="run as that CPU class runs: every library capped to it, minivllm's kernels built for it, "
                         "on this machine's memory and clocks (minivllm/bench/isa.py)")
+    p.add_argument("--compile", action="store_true",
+                   help="run minivllm's model under torch.compile as vLLM's CPU build runs its own (one graph, "
+                        "inductor; minivllm/bench/compiled_model.py): the warm-up compiles, about a minute")
     p.add_argument("--cases", default=",".join(CASES), help=f"comma-separated subset of {','.join(CASES)}")
     p.add_argument("--num-requests", type=int, default=64)
     p.add_argument("--prompt-len", type=int, nargs=2, default=[100, 300], metavar=("LOW", "HIGH"))
@@ -75,6 +78,8 @@ def _check(a) -> List[str]:
         raise ValueError(f"--repeats must be >= 1, got {a.repeats}")
     if a.threads is not None and a.threads < 1:
         raise ValueError(f"--threads must be >= 1, got {a.threads}")
+    if a.compile and a.device != "cpu":
+        raise ValueError(f"--compile runs on the CPU only (vLLM's CPU compilation), got --device {a.device}")
     peers = set() if a.peers == "none" else {x.strip() for x in a.peers.split(",") if x.strip()}
     if peers - {"hf", "vllm"}:
         raise ValueError(f"--peers must be a subset of hf,vllm or 'none', got {a.peers!r}")
@@ -160,6 +165,10 @@ def run_benchmark(a) -> Dict:
         # A count chosen on the command line stays: the engine's thread governor is for the default only.
         os.environ["MINIVLLM_CPU_THREADS_AUTO"] = "0"
     model, tokenizer = _load(a)
+    if a.compile:
+        from minivllm.bench.compiled_model import compile_model
+
+        compile_model(model)
     vocab = model.config.vocab_size
     workloads = {}
     if "throughput" in cases:
@@ -185,6 +194,10 @@ def run_benchmark(a) -> Dict:
         del cached
         gc.collect()
 
+    if a.compile:
+        from minivllm.bench.compiled_model import uncompile_model
+
+        uncompile_model(model)  # the peers take the weights, not the compiled graph
     if "hf" in a.peer_set:
         from minivllm.bench.hf_peer import hf_model_from_minivllm
 
@@ -251,6 +264,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     out = run_benchmark(a)
     print()
     print(environment_line())
+    if a.compile:
+        print(_("minivllm's model ran under torch.compile (bench --compile: one graph, inductor, as vLLM's CPU build)"))
     print(format_table(out["results"], out["ratios"]))
     if out["bandwidth_floor"] is not None:
         print(format_floor(out["bandwidth_floor"]))

@@ -14,6 +14,7 @@ from minivllm.model.custom_op import CustomOp
 from minivllm.model.loader import build_tiny_model
 from minivllm.model import packed_linear
 from minivllm.model.packed_linear import PackedWeight
+from step_logits import run_keeping_logits
 
 pytestmark = pytest.mark.skipif(not custom_ops.load(), reason="the CPU kernels cannot be built here")
 
@@ -32,15 +33,7 @@ def _run(monkeypatch, flag, prompts, max_tokens):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", flag)
     eng = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
-    eng.model_runner.keep_logits = True
-    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    for i, p in enumerate(prompts):
-        eng.add_request(str(i), {"prompt_token_ids": p}, sp)
-    logits, tokens = [], {}
-    while eng.has_unfinished_requests():
-        for o in eng.step():
-            tokens[o.request_id] = list(o.outputs[0].token_ids)
-        logits.append(eng.model_runner.last_inputs.logits.clone())
+    logits, tokens = run_keeping_logits(eng, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
     return eng, logits, tokens
 
 

@@ -1,0 +1,53 @@
+"""``bench --compile`` (``minivllm/bench/compiled_model.py``): the model compiled as one graph, as vLLM's CPU build
+compiles its own, computes what the eager engine computes, on chunked prefills mixed with decodes; it is really
+compiled (one Dynamo graph, no break); and it is undone for the peers. No timing is asserted."""
+
+import pytest
+import torch
+
+from minivllm import LLMEngine, SamplingParams
+from minivllm.bench import cli
+from minivllm.bench.compiled_model import compile_model, is_compiled, uncompile_model
+from minivllm.model.loader import build_tiny_model
+from step_logits import run_keeping_logits
+
+PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90)]  # 90 tokens at a budget of 64: two chunks
+
+
+def _run(model):
+    """Greedy, 12 tokens each, token budget 64: (logits of every step, tokens per request)."""
+    eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    return run_keeping_logits(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+
+
+@pytest.mark.parametrize("fast_path", ["1", "0"])
+def test_the_compiled_graph_computes_the_eager_engines_logits_and_tokens(monkeypatch, fast_path):
+    # fast_path 1: the engine's float32 kernels and packed products (what bench measures); 0: the exact reference.
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", fast_path)
+    model = build_tiny_model(dtype=torch.float32)
+    eager_logits, eager_tokens = _run(model)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compile_model(model)
+    assert is_compiled(model)
+    compiled_logits, compiled_tokens = _run(model)
+    stats = torch._dynamo.utils.counters["stats"]
+    assert stats["unique_graphs"] >= 1  # the steps ran through a compiled graph, not the eager forward
+    assert not torch._dynamo.utils.counters["graph_break"]
+    assert len(compiled_logits) == len(eager_logits) >= 3  # chunked prefill steps, then decodes
+    for e, c in zip(eager_logits, compiled_logits):
+        # inductor's fused norm, SiLU and RoPE sum in another order than the kernels or PyTorch's operators
+        torch.testing.assert_close(c, e, rtol=1e-4, atol=1e-4)
+    assert compiled_tokens == eager_tokens
+    uncompile_model(model)
+    assert not is_compiled(model)
+
+
+def test_compile_refuses_a_model_off_the_cpu_and_bench_refuses_it_for_cuda(capsys):
+    model = build_tiny_model(dtype=torch.float32).to("meta")
+    with pytest.raises(ValueError, match="on the CPU"):
+        compile_model(model)
+    assert not is_compiled(model)
+    assert cli.main(["--compile", "--device", "cuda", "--model", "tiny"]) == 2
+    assert "--compile runs on the CPU only" in capsys.readouterr().err
