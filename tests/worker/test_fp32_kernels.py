@@ -33,7 +33,8 @@ def _run(monkeypatch, flag, prompts, max_tokens):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", flag)
     eng = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
-    logits, tokens = run_keeping_logits(eng, prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    logits, tokens = run_keeping_logits(eng, prompts, sp)
     return eng, logits, tokens
 
 
