@@ -29,9 +29,10 @@ second for one-token steps, which Dynamo specialises), where vLLM marks the toke
 guard; the attention is one op, not two, because minivllm's ``AttentionImpl.forward`` writes the KV cache itself;
 and the linear op is Python calling the engine's layer, where vLLM's ``onednn_mm`` is C++.
 
-It lives in the benchmark, not the engine: measured back to back it was not faster than the eager engine on this
-project's machines (``OPTIMISATIONS.md``), and compiling SmolLM2 takes about a minute on two cores (inductor caches
-the result under ``TORCHINDUCTOR_CACHE_DIR``, so a second process compiles faster).
+It lives in the benchmark, not the engine: measured back to back it was level with the eager engine on this
+project's machines (a few per cent faster at batch 1 at best), for 100-240 MiB more resident memory and a compile
+before the first step: about a minute for SmolLM2 on two cores, 30 s once inductor's cache (``TORCHINDUCTOR_CACHE_DIR``)
+holds the kernels (``OPTIMISATIONS.md``).
 """
 
 from __future__ import annotations
