@@ -43,7 +43,7 @@ from typing import Any, Callable, Dict, List
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch._library.infer_schema import infer_schema
+from torch.library import infer_schema
 
 # vLLM 0.32's inductor options on the CPU (vllm/platforms/cpu.py, check_and_update_config; and
 # enable_auto_functionalized_v2, which CompilationConfig.__post_init__ adds: vllm/config/compilation.py).
