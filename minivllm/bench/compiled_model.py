@@ -1,26 +1,32 @@
 """``bench --compile``: minivllm's model under ``torch.compile``, the way vLLM 0.32's CPU build compiles its own, to
 measure what compilation is worth for minivllm (issue 27; ``OPTIMISATIONS.md``, "torch.compile and OpenMP binding").
 
-vLLM 0.32 on the CPU (``vllm/platforms/cpu.py``, ``check_and_update_config``) turns its default ``VLLM_COMPILE``
-into ``CompilationMode.DYNAMO_TRACE_ONCE`` with the ``inductor`` backend and the options in ``INDUCTOR_OPTIONS``:
-one Dynamo trace of the whole model (``fullgraph=True``, ``vllm/compilation/wrapper.py``,
-``TorchCompileWithNoGuardsWrapper``). In that graph each layer's attention is two opaque ops,
-``unified_kv_cache_update`` and ``unified_attention_with_output`` (``vllm/model_executor/layers/attention/
-attention.py``), which find the KV cache and the step's metadata in the forward context (``vllm/forward_context.py``),
-and each linear layer is another, oneDNN's ``onednn_mm`` (a C++ op; ``dispatch_cpu_unquantized_gemm``,
-``vllm/model_executor/layers/utils.py``). Inductor generates the code between them: with the inductor backend
-vLLM's ``custom_ops`` is ``"none"``, so SiLU-and-mul and RoPE are traced as their ``forward_native``; RMSNorm's
-``forward_native`` calls vLLM's IR ops, whose CPU implementation is the PyTorch formula, traced inline
-(``ir_enable_torch_wrap = False``); the embedding is a plain gather.
+vLLM 0.32 on the CPU (``check_and_update_config`` in ``vllm/platforms/cpu.py``) turns its default ``VLLM_COMPILE``
+into `CompilationMode.DYNAMO_TRACE_ONCE
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/platforms/cpu.py#L366>`_ with the ``inductor`` backend and
+the options in ``INDUCTOR_OPTIONS``: one Dynamo trace of the whole model (``fullgraph=True``,
+`TorchCompileWithNoGuardsWrapper <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/compilation/wrapper.py#L64>`_).
+In that graph each layer's attention is two opaque ops, `unified_kv_cache_update
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/attention/attention.py#L724>`_ and
+`unified_attention_with_output
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/attention/attention.py#L767>`_, which
+find the KV cache and the step's metadata in the forward context (``vllm/forward_context.py``), and each linear layer
+is another, oneDNN's ``onednn_mm`` (a C++ op; `dispatch_cpu_unquantized_gemm
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/utils.py#L470>`_). Inductor generates
+the code between them: with the inductor backend vLLM's ``custom_ops`` is ``"none"``, so SiLU-and-mul and RoPE are
+traced as their ``forward_native``; RMSNorm's ``forward_native`` calls vLLM's IR ops, whose CPU implementation is
+the PyTorch formula, traced inline (``ir_enable_torch_wrap = False``); the embedding is a plain gather.
 
 ``compile_model(model)`` does the same to a ``LlamaForCausalLM``: its ``forward`` becomes one compiled graph of all
 decoder layers in which each attention (``minivllm_bench::attention``: the model runner's backend implementation,
 which writes the step's K/V and attends in one call) and each linear layer (``minivllm_bench::linear``: the layer's
 own forward, oneDNN's packed product or ``skinny_gemm`` for one row) is an opaque op, with RMSNorm, SiLU-and-mul and
 RoPE as their ``forward_native`` for inductor to fuse. The ops are registered as vLLM registers its Python ops
-(``direct_register_custom_op``, ``vllm/utils/torch_utils.py``: ``Library.define`` and ``Library.impl`` on the
-dispatch key, not ``torch.library.custom_op``, whose dispatch costs more per call) and, like vLLM's, take the KV
-caches and the metadata from a forward context instead of as arguments, so the graph mutates none of its inputs.
+(`direct_register_custom_op
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/utils/torch_utils.py#L1068>`_: ``Library.define`` and
+``Library.impl`` on the dispatch key, not ``torch.library.custom_op``, whose dispatch costs more per call) and,
+like vLLM's, take the KV caches and the metadata from a forward context instead of as arguments, so the graph
+mutates none of its inputs.
 The products and the paged attention are thus the engine's own; what changes is everything between them and the
 Python that calls them. Logits and greedy tokens stay the eager engine's (``tests/bench/test_compiled_model.py``).
 
@@ -31,8 +37,8 @@ and the linear op is Python calling the engine's layer, where vLLM's ``onednn_mm
 
 It lives in the benchmark, not the engine: measured back to back it was level with the eager engine on this
 project's machines (a few per cent faster at batch 1 at best), for 100-240 MiB more resident memory and a compile
-before the first step: about a minute for SmolLM2 on two cores, 30 s once inductor's cache (``TORCHINDUCTOR_CACHE_DIR``)
-holds the kernels (``OPTIMISATIONS.md``).
+before the first step: about a minute for SmolLM2 on two cores, 30 s once inductor's cache
+(``TORCHINDUCTOR_CACHE_DIR``) holds the kernels (``OPTIMISATIONS.md``).
 """
 
 from __future__ import annotations
@@ -143,9 +149,10 @@ def compile_model(model) -> None:
         raise ValueError(f"compile_model: the model must be on the CPU (vLLM's CPU compilation), it is on {device}")
     if model.model.layers[0].mlp.down_proj.tp_size != 1:
         raise ValueError("compile_model: tensor_parallel_size must be 1 (the all-reduces are not in the graph)")
-    for rope in {id(layer.self_attn.rotary_emb): layer.self_attn.rotary_emb for layer in model.model.layers}.values():
-        # Fill the rotary embedding's per-device tables now: traced empty, Dynamo would guard on the branch that
-        # fills them and recompile once they are filled.
+    for layer in model.model.layers:
+        # Fill the rotary embedding's per-device tables now (one call fills them; the layers may share one): traced
+        # empty, Dynamo would guard on the branch that fills them and recompile once they are filled.
+        rope = layer.self_attn.rotary_emb
         rope.forward_native(torch.zeros(1, dtype=torch.long), torch.zeros(1, 1, rope.head_size))
     compiled = torch.compile(lambda ids, pos: _graph(model, ids, pos), dynamic=True, fullgraph=True,
                              options={**INDUCTOR_OPTIONS, "guard_filter_fn": _drop_global_state_guards},

@@ -17,9 +17,9 @@ from step_logits import run_keeping_logits
 PROMPTS = [list(range(3, 3 + n)) for n in (5, 40, 90)]  # 90 tokens at a budget of 64: two chunks
 
 
-def _run(model):
+def _run(model, **engine_kwargs):
     """Greedy, 12 tokens each, token budget 64: (logits of every step, tokens per request)."""
-    eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    eng = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False, **engine_kwargs)
     return run_keeping_logits(eng, PROMPTS, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
 
 
@@ -53,13 +53,10 @@ def test_the_compiled_graph_computes_the_eager_engines_logits_and_tokens(monkeyp
 def test_a_step_whose_connector_saves_layer_by_layer_runs_eagerly():
     # The model runner sets layer hooks for a step with a KV connector; the graph has no place to call them.
     model = build_tiny_model(dtype=torch.float32)
-    sp = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    eager = run_keeping_logits(LLMEngine(model, kv_connector=OffloadConnector(16), max_num_batched_tokens=64,
-                                         enable_prefix_caching=False), PROMPTS, sp)
+    eager = _run(model, kv_connector=OffloadConnector(16))
     compile_model(model)
     torch._dynamo.utils.counters.clear()
-    compiled = run_keeping_logits(LLMEngine(model, kv_connector=OffloadConnector(16), max_num_batched_tokens=64,
-                                            enable_prefix_caching=False), PROMPTS, sp)
+    compiled = _run(model, kv_connector=OffloadConnector(16))
     assert not torch._dynamo.utils.counters["stats"]["unique_graphs"]  # nothing compiled: every step was eager
     _assert_same(compiled, eager)
 
