@@ -5,8 +5,9 @@ Seven operators, each replacing one or several PyTorch operators of one decoder 
 
 * ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
   cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
-* ``paged_attention_prefill``: causal attention of prefill chunks over the same blocks, in tiles,
-  where the CPU has AVX512-BF16 (``csrc/prefill_attention.cpp``; ``prefill_kernel_available()``).
+* ``paged_attention_prefill``: causal attention of prefill chunks over the same blocks, in tiles: bfloat16 where
+  the CPU has AVX512-BF16, float32 where it has AVX2 and FMA (``csrc/prefill_attention.cpp``;
+  ``prefill_kernel_available(dtype)``).
 * ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
 * ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
 * ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
@@ -20,7 +21,7 @@ too by default (``MINIVLLM_CPU_KERNELS_FP32``, default ``1``: decode attention, 
 the batch-1 linear layers), as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ
 from PyTorch's operators in the last bits (sums in another order). ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps float32 on
 those operators, the exact reference the course compares bit for bit and token for token against Hugging Face
-(``./course.sh`` and the test suite choose it). ``paged_attention_prefill`` is bfloat16-only.
+(``./course.sh`` and the test suite choose it).
 If the build fails (no compiler), the engine warns once and keeps the PyTorch operators; set
 ``MINIVLLM_CPU_KERNELS=0`` to choose them yourself (the benchmark's before/after in ``OPTIMISATIONS.md``).
 
@@ -202,9 +203,10 @@ def paged_attention_decode(
     _ops().paged_attention_decode(out, query, kv_cache, block_table, seq_lens, query_rows, scale)
 
 
-def prefill_kernel_available() -> bool:
-    """True when the kernels are built with the AVX512-BF16 prefill attention (``csrc/prefill_attention.cpp``)."""
-    return load() and bool(_ops().prefill_kernel_available())
+def prefill_kernel_available(dtype: torch.dtype) -> bool:
+    """True when the kernels are built with a prefill attention for ``dtype`` (``csrc/prefill_attention.cpp``):
+    bfloat16 on a CPU with AVX512-BF16, float32 on one with AVX2 and FMA (or AVX-512); False for other dtypes."""
+    return load() and bool(_ops().prefill_kernel_available(dtype))
 
 
 def paged_attention_prefill(
@@ -218,21 +220,23 @@ def paged_attention_prefill(
     scale: float,
 ) -> None:
     """Causal attention of prefill chunks read in place from the paged cache (tiles of 32 positions, an exact
-    two-pass float32 softmax per tile).
+    two-pass float32 softmax per tile; in bfloat16 the probabilities are rounded to bfloat16 before P.V, as in
+    PyTorch's bfloat16 flash attention).
 
     Request ``i``'s query rows ``query_start[i] .. query_start[i] + query_lens[i] - 1`` sit at positions
     ``context_lens[i] + 0, 1, ...`` and attend to keys ``0 ..`` their own position (earlier chunks included),
     read through ``block_table[i]``. Writes those rows of ``out``.
 
     Args:
-        out, query: ``[num_tokens, num_heads, head_dim]`` bfloat16, heads contiguous; head_dim 64 or 128.
-        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` bfloat16, holding this step's keys.
+        out, query: ``[num_tokens, num_heads, head_dim]`` bfloat16 or float32, heads contiguous; head_dim 64 or 128.
+        kv_cache: ``[2, num_blocks, block_size, num_kv_heads, head_dim]`` in query's dtype, holding this step's keys.
         block_table: ``int64 [num_reqs, max_blocks]``.
         query_start, query_lens, context_lens: ``int64 [num_reqs]``.
         scale: softmax scale.
 
     Raises:
-        RuntimeError: on a wrong dtype, shape or block id, or when ``prefill_kernel_available()`` is False.
+        RuntimeError: on a wrong dtype, shape or block id, or when ``prefill_kernel_available(query.dtype)`` is
+            False.
     """
     _ops().paged_attention_prefill(
         out, query, kv_cache, block_table, query_start, query_lens, context_lens, scale

@@ -16,11 +16,12 @@ void paged_attention_decode(at::Tensor& out, const at::Tensor& query, const at::
 
 // Causal attention of prefill chunks: rows query_start[i] .. query_start[i] + query_lens[i] - 1 of request i, at
 // positions context_lens[i] + 0, 1, ..., attend to keys 0 .. their own position, read through block_table[i].
-// bfloat16 only, head_dim 64 or 128, builds with AVX512-BF16 only (prefill_kernel_available()).
+// bfloat16 (builds with AVX512-BF16) or float32 (AVX2 and FMA, or AVX-512), head_dim 64 or 128
+// (prefill_kernel_available(dtype)).
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& context_lens, double scale);
-bool prefill_kernel_available();
+bool prefill_kernel_available(c10::ScalarType dtype);
 
 // out = x / sqrt(mean(x^2) + eps) * weight, per row of x [tokens, hidden].
 void rms_norm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight, double eps);

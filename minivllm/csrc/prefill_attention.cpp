@@ -5,8 +5,10 @@
 // Each work item is a tile of up to 32 query positions of one request, for the `group` query heads of one KV head.
 // Keys and values are read block by block through the request's block table (a chunk's earlier context included),
 // so nothing is gathered; only blocks at or before the tile's last position are visited, so the masked upper
-// triangle is skipped (PyTorch's CPU flash kernel computes whole 512-key blocks). Q.K^T uses the AVX512-BF16
-// dot-product instruction on keys transposed into pairs; softmax and P.V are float32.
+// triangle is skipped (PyTorch's CPU flash kernel computes whole 512-key blocks). Two builds of the same loops:
+// bfloat16, whose Q.K^T and P.V use the AVX512-BF16 dot-product instruction on pairs; float32, with fused
+// multiply-adds one vector register wide (16 lanes with AVX-512, 8 with AVX2), scores of a block of keys at once
+// from keys transposed into columns, and P.V straight from the cache's rows.
 
 #include "ops.h"
 
@@ -17,35 +19,72 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
+#endif
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIVLLM_PREFILL_KERNEL 1
 #else
 #define MINIVLLM_PREFILL_KERNEL 0
 #endif
+// float32 lanes per vector register: 16 with AVX-512, 8 with AVX2 and FMA, 0 (no float32 kernel) otherwise.
+#if defined(__AVX512F__)
+#define MINIVLLM_PREFILL_F32_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINIVLLM_PREFILL_F32_LANES 8
+#else
+#define MINIVLLM_PREFILL_F32_LANES 0
+#endif
 
 namespace minivllm {
 
-bool prefill_kernel_available() { return MINIVLLM_PREFILL_KERNEL; }
+bool prefill_kernel_available(c10::ScalarType dtype) {
+  if (dtype == at::kBFloat16) return MINIVLLM_PREFILL_KERNEL;
+  if (dtype == at::kFloat) return MINIVLLM_PREFILL_F32_LANES > 0;
+  return false;
+}
 
-#if MINIVLLM_PREFILL_KERNEL
 namespace {
 
-constexpr int kTile = 32;       // query positions per work item
-constexpr int kKeys = 16;       // keys per block of the score computation: one 512-bit vector of scores
-constexpr int kRowsAtOnce = 8;  // query rows whose Q.K^T runs interleaved (independent dependency chains)
-constexpr int kPvRows = 4;      // query rows whose P.V runs together (4 x D/16 accumulators: 16 registers at D=64)
+constexpr int kTile = 32;  // query positions per work item
 
 struct Item {
   int64_t req, kv_head, tile_start, tile_len;
 };
+
+// The work items of a step, most keys first: handed out one at a time, the longest tiles start early and the threads
+// finish together. *max_keys: the most keys any request attends to.
+std::vector<Item> make_items(const std::vector<int64_t>& q_len, const std::vector<int64_t>& ctx_len,
+                             int64_t num_kv_heads, int64_t* max_keys) {
+  std::vector<Item> items;
+  *max_keys = 0;
+  for (size_t r = 0; r < q_len.size(); ++r) {
+    *max_keys = std::max(*max_keys, ctx_len[r] + q_len[r]);
+    for (int64_t h = 0; h < num_kv_heads; ++h)
+      for (int64_t s = 0; s < q_len[r]; s += kTile)
+        items.push_back({int64_t(r), h, s, std::min<int64_t>(kTile, q_len[r] - s)});
+  }
+  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
+    return ctx_len[a.req] + a.tile_start > ctx_len[b.req] + b.tile_start;
+  });
+  return items;
+}
+
+}  // namespace
+
+#if MINIVLLM_PREFILL_KERNEL
+namespace {
+
+constexpr int kKeys = 16;       // keys per block of the score computation: one 512-bit vector of scores
+constexpr int kRowsAtOnce = 8;  // query rows whose Q.K^T runs interleaved (independent dependency chains)
+constexpr int kPvRows = 4;      // query rows whose P.V runs together (4 x D/16 accumulators: 16 registers at D=64)
 
 inline uint32_t pair(uint16_t lo, uint16_t hi) { return uint32_t(lo) | (uint32_t(hi) << 16); }
 
 // D: head_dim (a multiple of 32). Two passes per tile, as the decode kernel: all scores of the tile's rows, then
 // softmax, then P.V with P rounded to bfloat16 (as PyTorch's bf16 flash attention does for its second matmul).
 template <int D>
-void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+void prefill_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
                   const std::vector<int64_t>& q_start, const std::vector<int64_t>& q_len,
                   const std::vector<int64_t>& ctx_len, float scale) {
   const int64_t num_heads = query.size(1);
@@ -59,18 +98,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
   uint16_t* out_ptr = ptr<BF16>(out);
   const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
 
-  std::vector<Item> items;
-  int64_t max_keys = 0;
-  for (size_t r = 0; r < q_len.size(); ++r) {
-    max_keys = std::max(max_keys, ctx_len[r] + q_len[r]);
-    for (int64_t h = 0; h < num_kv_heads; ++h)
-      for (int64_t s = 0; s < q_len[r]; s += kTile)
-        items.push_back({int64_t(r), h, s, std::min<int64_t>(kTile, q_len[r] - s)});
-  }
-  // Most keys first, handed out one at a time: the longest tiles start early and the threads finish together.
-  std::stable_sort(items.begin(), items.end(), [&](const Item& a, const Item& b) {
-    return ctx_len[a.req] + a.tile_start > ctx_len[b.req] + b.tile_start;
-  });
+  int64_t max_keys;
+  const std::vector<Item> items = make_items(q_len, ctx_len, num_kv_heads, &max_keys);
   const int64_t keys_cap = (max_keys + kKeys - 1) / kKeys * kKeys;
   const float neg_inf = -std::numeric_limits<float>::infinity();
 
@@ -219,14 +248,208 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 }  // namespace
 #endif
 
+#if MINIVLLM_PREFILL_F32_LANES > 0
+namespace {
+
+// One float32 vector register: L lanes.
+constexpr int L = MINIVLLM_PREFILL_F32_LANES;
+#if MINIVLLM_PREFILL_F32_LANES == 16
+using Vec = __m512;
+inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec vset1(float x) { return _mm512_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec vset1(float x) { return _mm256_set1_ps(x); }
+inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+inline Vec vzero() { return vset1(0.f); }
+
+// Q.K^T: R rows against the L keys of one block at a time, R accumulators (one register each, independent chains)
+// fed by one column of keys and R broadcast query elements per step of d. P.V: PR rows by CW column vectors of
+// accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, its 16 registers
+// less the value vectors; GCC folds the broadcast into the multiply-add). Chosen by timing SmolLM2's first prefill
+// step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2 were slower.
+constexpr int kF32Rows = 8;
+constexpr int kF32PvRows = L == 16 ? 4 : 3;
+constexpr int kF32PvCols = 4;
+
+// D: head_dim (a multiple of 4 L). Two passes per tile, as the bfloat16 kernel: scores of the tile's rows, softmax
+// (float32 throughout; the sum is of the probabilities P.V uses), then P.V, normalised at the end.
+template <int D>
+void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache, const at::Tensor& block_table,
+                 const std::vector<int64_t>& q_start, const std::vector<int64_t>& q_len,
+                 const std::vector<int64_t>& ctx_len, float scale) {
+  static_assert(D % (kF32PvCols * L) == 0, "head_dim must be a multiple of 4 vector registers");
+  const int64_t num_heads = query.size(1);
+  const int64_t num_blocks = kv_cache.size(1), block_size = kv_cache.size(2), num_kv_heads = kv_cache.size(3);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t token_stride = num_kv_heads * D;
+  const int64_t value_offset = num_blocks * block_size * token_stride;
+  const int64_t q_row_stride = query.stride(0), out_row_stride = out.stride(0), bt_stride = block_table.stride(0);
+  const float* q_ptr = query.data_ptr<float>();
+  const float* kv_ptr = kv_cache.data_ptr<float>();
+  float* out_ptr = out.data_ptr<float>();
+  const int64_t* bt_ptr = block_table.data_ptr<int64_t>();
+
+  int64_t max_keys;
+  const std::vector<Item> items = make_items(q_len, ctx_len, num_kv_heads, &max_keys);
+  const int64_t keys_cap = (max_keys + L - 1) / L * L;
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+
+  parallel_for_dynamic(int64_t(items.size()), [&](auto next_item) {
+    const int64_t max_rows = kTile * group;
+    std::vector<float> probs(max_rows * keys_cap);  // scores, then (in place) unnormalised probabilities
+    std::vector<int64_t> qpos(max_rows);
+    std::vector<const float*> qrow(max_rows);
+    std::vector<float> inv_sum(max_rows);
+    alignas(64) float kt[D][L];  // one block of keys as columns: kt[d][k] = K[k][d]
+    for (int64_t it = next_item(); it >= 0; it = next_item()) {
+      const Item& item = items[it];
+      const int64_t ctx = ctx_len[item.req];
+      const int64_t* blocks = bt_ptr + item.req * bt_stride;
+      const int64_t n_rows = item.tile_len * group;
+      // Row i = (position i / group, query head i % group).
+      for (int64_t i = 0; i < n_rows; ++i) {
+        const int64_t t = item.tile_start + i / group;
+        qpos[i] = ctx + t;
+        qrow[i] = q_ptr + (q_start[item.req] + t) * q_row_stride + (item.kv_head * group + i % group) * D;
+      }
+      const int64_t n_keys = ctx + item.tile_start + item.tile_len;  // keys 0 .. the tile's last position
+      const int64_t n_keys_padded = (n_keys + L - 1) / L * L;
+      auto key_row = [&](int64_t pos) {  // key `pos`'s head_dim values of this KV head (values: + value_offset)
+        return kv_ptr + (blocks[pos / block_size] * block_size + pos % block_size) * token_stride + item.kv_head * D;
+      };
+
+      // Pass 1: probs[i][k] = scale * q_i . k_k, -inf where k is in row i's future (and in the last block's padding).
+      using VL = Lanes<L>::f;  // the same register as Vec, with GCC's vector operators
+      VL iota;
+      for (int k = 0; k < L; ++k) iota[k] = float(k);
+      for (int64_t k0 = 0; k0 < n_keys; k0 += L) {
+        const int64_t nk = std::min<int64_t>(L, n_keys - k0);
+        for (int64_t k = 0; k < L; ++k) {
+          const float* kr = key_row(k0 + std::min(k, nk - 1));  // past the keys: the last one again (masked below)
+          for (int d = 0; d < D; ++d) kt[d][k] = kr[d];
+        }
+        for (int64_t i0 = 0; i0 < n_rows; i0 += kF32Rows) {
+          const int64_t nr = std::min<int64_t>(kF32Rows, n_rows - i0);
+          if (k0 > qpos[i0 + nr - 1]) {  // the whole block is in these rows' future
+            for (int64_t r = 0; r < nr; ++r) vstore(probs.data() + (i0 + r) * keys_cap + k0, vset1(neg_inf));
+            continue;
+          }
+          // Rows past the tile repeat its last row (results dropped): no branch in the loop, so the accumulators
+          // stay in registers.
+          const float* qr[kF32Rows];
+          #pragma GCC unroll 8
+          for (int r = 0; r < kF32Rows; ++r) qr[r] = qrow[i0 + std::min<int64_t>(r, nr - 1)];
+          Vec s[kF32Rows];
+          #pragma GCC unroll 8
+          for (int r = 0; r < kF32Rows; ++r) s[r] = vzero();
+          #pragma GCC unroll 4
+          for (int d = 0; d < D; ++d) {
+            const Vec kd = vload(kt[d]);
+            #pragma GCC unroll 8
+            for (int r = 0; r < kF32Rows; ++r) s[r] = vfma(vset1(qr[r][d]), kd, s[r]);
+          }
+          // Through memory with constant indices: indexing s by the run-time row count would keep the
+          // accumulators on the stack for the whole loop.
+          alignas(64) float sres[kF32Rows][L];
+          #pragma GCC unroll 8
+          for (int r = 0; r < kF32Rows; ++r) vstore(sres[r], s[r]);
+          for (int64_t r = 0; r < nr; ++r) {
+            const VL visible = VL{} + float(std::min<int64_t>(qpos[i0 + r] - k0 + 1, nk));  // keys k0 .. k0 + it - 1
+            const VL x = loadn<F32, L>(sres[r]) * scale;
+            storen<F32, L>(probs.data() + (i0 + r) * keys_cap + k0, iota < visible ? x : VL{} + neg_inf);
+          }
+        }
+      }
+      // Softmax per row (float32), one register wide (cpu_utils.h's exp); keys past the row's position get 0.
+      for (int64_t i = 0; i < n_rows; ++i) {
+        float* pr = probs.data() + i * keys_cap;
+        VL mx = VL{} + neg_inf;
+        for (int64_t k = 0; k < n_keys_padded; k += L) {
+          const VL x = loadn<F32, L>(pr + k);
+          mx = x > mx ? x : mx;
+        }
+        float m = neg_inf;
+        for (int j = 0; j < L; ++j) m = std::max(m, mx[j]);  // finite: key 0 is always visible
+        VL sum = {};
+        for (int64_t k = 0; k < n_keys_padded; k += L) {
+          const VL x = loadn<F32, L>(pr + k);
+          const VL e = x == neg_inf ? VL{} : vexpn<L>(x - m);
+          sum += e;
+          storen<F32, L>(pr + k, e);
+        }
+        float total = 0.f;
+        for (int j = 0; j < L; ++j) total += sum[j];
+        inv_sum[i] = 1.f / total;
+      }
+      // Pass 2: out_i = sum_k p_ik v_k / sum_k p_ik, kF32PvRows rows by kF32PvCols column vectors per pass over the
+      // keys, each value row read in place from its block.
+      for (int64_t i0 = 0; i0 < n_rows; i0 += kF32PvRows) {
+        const int64_t nr = std::min<int64_t>(kF32PvRows, n_rows - i0);
+        const float* pr[kF32PvRows];  // rows past the tile repeat its last row, as in pass 1
+        #pragma GCC unroll 4
+        for (int r = 0; r < kF32PvRows; ++r) pr[r] = probs.data() + (i0 + std::min<int64_t>(r, nr - 1)) * keys_cap;
+        // Only keys up to the last row's position matter (rows of one tile grow by one position each).
+        const int64_t last = qpos[i0 + nr - 1] + 1;
+        for (int c0 = 0; c0 < D; c0 += kF32PvCols * L) {
+          Vec acc[kF32PvRows][kF32PvCols];
+          #pragma GCC unroll 4
+          for (int r = 0; r < kF32PvRows; ++r)
+            #pragma GCC unroll 4
+            for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = vzero();
+          for (int64_t b0 = 0; b0 < last; b0 += block_size) {  // one block of the request at a time
+            const float* vb = kv_ptr + value_offset + blocks[b0 / block_size] * block_size * token_stride +
+                              item.kv_head * D + c0;
+            const int64_t nb = std::min(block_size, last - b0);
+            for (int64_t t = 0; t < nb; ++t) {
+              const float* v = vb + t * token_stride;
+              Vec vv[kF32PvCols];
+              #pragma GCC unroll 4
+              for (int c = 0; c < kF32PvCols; ++c) vv[c] = vload(v + c * L);
+              #pragma GCC unroll 4
+              for (int r = 0; r < kF32PvRows; ++r) {
+                const Vec p = vset1(pr[r][b0 + t]);
+                #pragma GCC unroll 4
+                for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = vfma(p, vv[c], acc[r][c]);
+              }
+            }
+          }
+          alignas(64) float ares[kF32PvRows][kF32PvCols * L];  // as sres in pass 1
+          #pragma GCC unroll 4
+          for (int r = 0; r < kF32PvRows; ++r)
+            #pragma GCC unroll 4
+            for (int c = 0; c < kF32PvCols; ++c) vstore(ares[r] + c * L, acc[r][c]);
+          for (int64_t r = 0; r < nr; ++r) {
+            const int64_t i = i0 + r;
+            const int64_t t = item.tile_start + i / group;
+            float* dst = out_ptr + (q_start[item.req] + t) * out_row_stride + (item.kv_head * group + i % group) * D + c0;
+            for (int c = 0; c < kF32PvCols; ++c)
+              storen<F32, L>(dst + c * L, loadn<F32, L>(ares[r] + c * L) * inv_sum[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+#endif
+
 void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_cache,
                              const at::Tensor& block_table, const at::Tensor& query_start, const at::Tensor& query_lens,
                              const at::Tensor& context_lens, double scale) {
-  TORCH_CHECK(MINIVLLM_PREFILL_KERNEL, "paged_attention_prefill: this build has no AVX512-BF16 kernel "
-              "(check custom_ops.prefill_kernel_available() first)");
-  TORCH_CHECK(query.scalar_type() == at::kBFloat16 && kv_cache.scalar_type() == at::kBFloat16 &&
-                  out.scalar_type() == at::kBFloat16,
-              "paged_attention_prefill: query, out and kv_cache must be bfloat16");
+  const at::ScalarType dtype = query.scalar_type();
+  TORCH_CHECK((dtype == at::kBFloat16 || dtype == at::kFloat) && kv_cache.scalar_type() == dtype &&
+                  out.scalar_type() == dtype,
+              "paged_attention_prefill: query, out and kv_cache must be all bfloat16 or all float32");
+  TORCH_CHECK(prefill_kernel_available(dtype), "paged_attention_prefill: this build has no ", dtype,
+              " kernel (bfloat16 needs AVX512-BF16, float32 AVX2 and FMA; check "
+              "custom_ops.prefill_kernel_available(dtype) first)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_attention_prefill: query must be [tokens, num_heads, head_dim] with contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
@@ -268,10 +491,20 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
     }
   }
 #if MINIVLLM_PREFILL_KERNEL
-  if (query.size(2) == 64)
-    prefill_impl<64>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
-  else
-    prefill_impl<128>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+  if (dtype == at::kBFloat16) {
+    if (query.size(2) == 64)
+      prefill_bf16<64>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+    else
+      prefill_bf16<128>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+  }
+#endif
+#if MINIVLLM_PREFILL_F32_LANES > 0
+  if (dtype == at::kFloat) {
+    if (query.size(2) == 64)
+      prefill_f32<64>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+    else
+      prefill_f32<128>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
+  }
 #endif
 }
 

@@ -14,7 +14,7 @@ TORCH_LIBRARY(minivllm_cpu, m) {
       "paged_attention_prefill(Tensor(a!) out, Tensor query, Tensor kv_cache, Tensor block_table, "
       "Tensor query_start, Tensor query_lens, Tensor context_lens, float scale) -> ()");
   m.impl("paged_attention_prefill", c10::DispatchKey::CPU, &minivllm::paged_attention_prefill);
-  m.def("prefill_kernel_available() -> bool", &minivllm::prefill_kernel_available);
+  m.def("prefill_kernel_available(ScalarType dtype) -> bool", &minivllm::prefill_kernel_available);
   m.def("rms_norm(Tensor(a!) out, Tensor x, Tensor weight, float eps) -> ()");
   m.impl("rms_norm", c10::DispatchKey::CPU, &minivllm::rms_norm);
   m.def("fused_add_rms_norm(Tensor(a!) x, Tensor(b!) residual, Tensor weight, float eps) -> ()");

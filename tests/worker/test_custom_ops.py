@@ -270,11 +270,11 @@ def test_paged_attention_decode_work_items(dtype, atol, threads, num_reqs):
     torch.testing.assert_close(out[rows].float(), ref.float(), atol=atol, rtol=0)
 
 
-def _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size):
-    """Random bf16 cache; prefill chunks of qlens tokens after ctxs tokens of context, blocks scattered."""
+def _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size, dtype=torch.bfloat16):
+    """Random cache in ``dtype``; prefill chunks of qlens tokens after ctxs tokens of context, blocks scattered."""
     need = [-(-(q + c) // block_size) for q, c in zip(qlens, ctxs)]
     num_blocks = sum(need) + 2
-    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(torch.bfloat16)
+    cache = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(num_blocks, generator=g).tolist()
     tables, used = [], 0
     for n in need:
@@ -283,36 +283,65 @@ def _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size):
     qsl = [0]
     for q in qlens:
         qsl.append(qsl[-1] + q)
-    query = torch.randn(qsl[-1], heads, head_dim, generator=g).to(torch.bfloat16)
+    query = torch.randn(qsl[-1], heads, head_dim, generator=g).to(dtype)
     md = _reference_metadata(tables, list(ctxs), list(qlens), block_size)
     return cache, md, query
 
 
-needs_prefill_kernel = pytest.mark.skipif(not custom_ops.prefill_kernel_available(),
-                                          reason="this CPU has no AVX512-BF16")
+def _needs_prefill_kernel(dtype):
+    return pytest.mark.skipif(not custom_ops.prefill_kernel_available(dtype),
+                              reason=f"no {dtype} prefill kernel on this CPU (bfloat16: AVX512-BF16; float32: AVX2)")
 
 
-@needs_prefill_kernel
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 1, 64)])
+needs_prefill_kernel = _needs_prefill_kernel(torch.bfloat16)
+PREFILL_DTYPES = [pytest.param(torch.bfloat16, marks=needs_prefill_kernel),
+                  pytest.param(torch.float32, marks=_needs_prefill_kernel(torch.float32))]
+
+
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 128), (4, 1, 64), (16, 2, 64)])
 @pytest.mark.parametrize("block_size", [16, 5, 32])
-def test_paged_attention_prefill_equals_reference(heads, kv_heads, head_dim, block_size):
+def test_paged_attention_prefill_equals_reference(dtype, heads, kv_heads, head_dim, block_size):
     g = torch.Generator().manual_seed(heads + block_size)
-    # whole prompts (no context), chunks after earlier chunks, one token after context, tile edges (32, 33)
-    qlens, ctxs = [70, 33, 2, 32, 17], [0, 64, 40, 0, 3]
-    cache, md, query = _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size)
+    # whole prompts (no context), chunks after earlier chunks, one token after context, tile edges (32, 33), a
+    # chunk of 40 whose context ends inside a block
+    qlens, ctxs = [70, 33, 2, 32, 17, 1, 40], [0, 64, 40, 0, 3, 7, 21]
+    cache, md, query = _prefill_case(g, qlens, ctxs, heads, kv_heads, head_dim, block_size, dtype)
     out = torch.full_like(query, 5.0)
     custom_ops.paged_attention_prefill(out, query, cache, md.block_table, md.query_start_loc[:-1],
                                        torch.tensor(qlens), torch.tensor(ctxs), head_dim ** -0.5)
-    ref = reference_paged_attention(query, cache, md, head_dim ** -0.5)
-    # P is rounded to bf16 before P.V (as in PyTorch's bf16 flash attention): about 3 significant digits.
-    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=0)
-    assert (out - ref).float().abs().mean() < 2e-3
+    ref = reference_paged_attention(query.double(), cache.double(), md, head_dim ** -0.5)
+    if dtype == torch.bfloat16:
+        # P is rounded to bf16 before P.V (as in PyTorch's bf16 flash attention): about 3 significant digits.
+        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
+        assert (out.double() - ref).abs().mean() < 2e-3
+    else:  # float32 sums in another order than float64: a few ulps of values of order 1
+        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
 
 
-@needs_prefill_kernel
-def test_paged_attention_prefill_rejects_bad_blocks():
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_paged_attention_prefill_work_items_and_threads(dtype, threads):
+    """One long chunk (tiles of many lengths, most keys first) beside short ones, on one and two threads."""
+    g = torch.Generator().manual_seed(40 + threads)
+    qlens, ctxs = [300, 5, 64, 1], [100, 0, 250, 0]
+    cache, md, query = _prefill_case(g, qlens, ctxs, 9, 3, 64, 16, dtype)
+    out = torch.zeros_like(query)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        custom_ops.paged_attention_prefill(out, query, cache, md.block_table, md.query_start_loc[:-1],
+                                           torch.tensor(qlens), torch.tensor(ctxs), 0.125)
+    finally:
+        torch.set_num_threads(before)
+    ref = reference_paged_attention(query.double(), cache.double(), md, 0.125)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 2e-6, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+def test_paged_attention_prefill_rejects_bad_input(dtype):
     g = torch.Generator().manual_seed(7)
-    cache, md, query = _prefill_case(g, [20], [10], 9, 3, 64, 16)
+    cache, md, query = _prefill_case(g, [20], [10], 9, 3, 64, 16, dtype)
     out = torch.zeros_like(query)
     bad = md.block_table.clone()
     bad[0, 1] = 10_000
@@ -325,19 +354,37 @@ def test_paged_attention_prefill_rejects_bad_blocks():
     with pytest.raises(RuntimeError, match="blocks"):  # 2 blocks hold 32 keys, not 45
         custom_ops.paged_attention_prefill(out, query, cache, md.block_table, torch.tensor([0]), torch.tensor([20]),
                                            torch.tensor([25]), 0.125)
+    other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):  # a cache of another dtype
+        custom_ops.paged_attention_prefill(out, query, cache.to(other), md.block_table, torch.tensor([0]),
+                                           torch.tensor([20]), torch.tensor([10]), 0.125)
+    with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):
+        custom_ops.paged_attention_prefill(out.half(), query.half(), cache.half(), md.block_table, torch.tensor([0]),
+                                           torch.tensor([20]), torch.tensor([10]), 0.125)
     assert (out == 0).all()
 
 
-@needs_prefill_kernel
-def test_bf16_engine_prefill_kernel_on_head_dim_64(monkeypatch):
-    """A random model with head_dim 64 (the kernel's size) in bf16: chunked prefill + decodes through both
-    attention kernels give logits within bf16 precision of the PyTorch operators."""
+def test_prefill_kernel_available_names_its_dtypes():
+    assert not custom_ops.prefill_kernel_available(torch.float16)
+    flags = custom_ops._cpu_id().split()
+    if custom_ops.load() and not os.environ.get("MINIVLLM_CPU_ISA"):  # built with -march=native
+        assert custom_ops.prefill_kernel_available(torch.float32) == ({"avx2", "fma"} <= set(flags))
+        assert custom_ops.prefill_kernel_available(torch.bfloat16) == ("avx512_bf16" in flags)
+
+
+@pytest.mark.parametrize("dtype", PREFILL_DTYPES)
+def test_engine_prefill_kernel_on_head_dim_64(monkeypatch, dtype):
+    """A random model with head_dim 64 (a kernel size): chunked prefill + decodes through both attention kernels
+    give logits within the dtype's precision of the PyTorch operators (float32: the fast path,
+    ``MINIVLLM_CPU_KERNELS_FP32=1``)."""
     from minivllm.model.loader import tiny_llama_config
 
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
     model = build_tiny_model(tiny_llama_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1),
-                             dtype=torch.bfloat16)
+                             dtype=dtype)
     prompts = [[(5 * i) % 500 + 3 for i in range(n)] for n in (7, 50, 100)]
     logits = _logits_with_and_without_kernels(monkeypatch, model, "paged_attention_prefill", prompts, max_tokens=3)
     assert len(logits["1"]) == len(logits["0"]) >= 5
+    tol = dict(atol=0.1, rtol=0.05) if dtype == torch.bfloat16 else dict(atol=2e-5, rtol=1e-4)
     for a, b in zip(logits["1"], logits["0"]):
-        torch.testing.assert_close(a, b, atol=0.1, rtol=0.05)
+        torch.testing.assert_close(a, b, **tol)

@@ -27,12 +27,14 @@ def _packed(model):
 
 
 
-def _run(monkeypatch, flag, prompts, max_tokens):
-    """A tiny float32 engine built with ``MINIVLLM_CPU_KERNELS_FP32=flag`` at a token budget of 64 (chunked
-    prefills mixed with decodes). Returns (engine, logits per step, tokens per request)."""
+def _run(monkeypatch, flag, prompts, max_tokens, config=None):
+    """A tiny float32 engine (``config``: a ``tiny_llama_config``, else the default) built with
+    ``MINIVLLM_CPU_KERNELS_FP32=flag`` at a token budget of 64 (chunked prefills mixed with decodes). Returns
+    (engine, logits per step, tokens per request)."""
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", flag)
-    eng = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
+    eng = LLMEngine(build_tiny_model(config, dtype=torch.float32), max_num_batched_tokens=64,
+                    enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     logits, tokens = run_keeping_logits(eng, prompts, sp)
     return eng, logits, tokens
@@ -118,9 +120,13 @@ def test_smollm2_greedy_tokens_unchanged(monkeypatch, real_llm, count_kernel_cal
     sp = SamplingParams(temperature=0, max_tokens=24)
     expected = [o.outputs[0].token_ids for o in real_llm.generate(prompts, sp, use_tqdm=False)]
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
+    prefills = count_kernel_calls(["paged_attention_prefill"])
     llm = LLM(dtype="float32")
     assert llm.llm_engine.model_runner.attn_backend.get_name() == "CPU_ATTN"
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] == expected
+    # The three prompts' prefill, one step through every layer, where the float32 prefill kernel is built.
+    layers = llm.llm_engine.hf_config.num_hidden_layers
+    assert prefills["paged_attention_prefill"] == (layers if custom_ops.prefill_kernel_available(torch.float32) else 0)
     # One at a time: every decode step is one row, through the batch-1 kernel (skinny_gemm).
     calls = count_kernel_calls(["skinny_gemm"])
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
@@ -129,29 +135,28 @@ def test_smollm2_greedy_tokens_unchanged(monkeypatch, real_llm, count_kernel_cal
     assert alone == expected and calls["skinny_gemm"] == sum(per_step * (len(t) - 1) + 1 for t in expected)
 
 
-def test_float32_prefills_stay_on_sdpa_where_the_bf16_prefill_kernel_exists(monkeypatch):
-    """On a CPU with AVX512-BF16 (head size 64 or 128) ``CPU_ATTN`` runs prefills through
-    ``paged_attention_prefill``, which takes bfloat16 only: a float32 model must keep its prefills on SDPA there.
-    This machine lacks AVX512-BF16, so the kernel's availability and its dtype check are stood in for."""
-    from minivllm.attention.backends import cpu_attn
+@pytest.mark.skipif(not custom_ops.prefill_kernel_available(torch.float32), reason="no AVX2 and FMA on this CPU")
+def test_float32_prefills_take_the_prefill_kernel_where_it_is_built(monkeypatch, count_kernel_calls):
+    """head_dim 64, a size of ``paged_attention_prefill``: float32 prefill chunks (first and later: 90 tokens at a
+    budget of 64) run through the kernel on the fast path; where the kernel is not built for float32 (stood in for)
+    through SDPA. Both agree with the reference to float32 rounding, with the same tokens."""
+    from minivllm.model.loader import tiny_llama_config
 
-    prefill_calls = []
-
-    def bf16_only_prefill(out, query, *args):
-        prefill_calls.append(query.dtype)
-        if query.dtype != torch.bfloat16:  # the kernel's own check (csrc/prefill_attention.cpp)
-            raise RuntimeError("paged_attention_prefill: query, kv_cache and out must be bfloat16")
-        raise AssertionError("no bfloat16 model runs here")
-
-    monkeypatch.setattr(cpu_attn, "prefill_kernel_supported", lambda head_dim: True)
-    monkeypatch.setattr(custom_ops, "paged_attention_prefill", bf16_only_prefill)
-    _, on, tokens_on = _run(monkeypatch, "1", PROMPTS, 4)
-    assert prefill_calls == []
-    monkeypatch.undo()
-    _, off, tokens_off = _run(monkeypatch, "0", PROMPTS, 4)
-    assert tokens_on == tokens_off
-    for a, b in zip(on, off):
-        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    config = tiny_llama_config(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)
+    calls = count_kernel_calls(["paged_attention_prefill"])
+    _, kernel, tokens_kernel = _run(monkeypatch, "1", PROMPTS, 4, config)
+    # At a budget of 64: prompts 5 + 40 + 19 of the 90, then 62 beside two decodes, then the last 9: three steps
+    # with prefill chunks, through 2 layers.
+    assert calls["paged_attention_prefill"] == 6
+    available = custom_ops.prefill_kernel_available
+    monkeypatch.setattr(custom_ops, "prefill_kernel_available", lambda dtype: dtype != torch.float32 and available(dtype))
+    _, sdpa, tokens_sdpa = _run(monkeypatch, "1", PROMPTS, 4, config)
+    assert calls["paged_attention_prefill"] == 6
+    _, ref, tokens_ref = _run(monkeypatch, "0", PROMPTS, 4, config)
+    assert tokens_kernel == tokens_sdpa == tokens_ref
+    for a, b, c in zip(kernel, sdpa, ref):
+        torch.testing.assert_close(a, c, atol=2e-5, rtol=1e-4)
+        torch.testing.assert_close(b, c, atol=2e-5, rtol=1e-4)
 
 
 def test_packed_weight_follows_a_dtype_round_trip():

@@ -3,10 +3,11 @@ float32 under ``MINIVLLM_CPU_KERNELS_FP32=1`` (vLLM: ``vllm/v1/attention/backend
 
 Decode requests run through ``custom_ops.paged_attention_decode`` (bfloat16 or float32), which reads each request's
 blocks in place: no gather, padding, mask, groups or workspace. Prefill chunks run through
-``custom_ops.paged_attention_prefill`` where the CPU has AVX512-BF16, the head size is 64 or 128 and the model is
-bfloat16 (the kernel takes nothing else); elsewhere through PyTorch SDPA (``torch_sdpa.sdpa_prefill``). The
-kernel choice is made once, when the implementation is built: each ``CPUAttentionImpl`` holds the operators it
-calls; only the dtype test is per call, because the implementation is built before it sees a tensor.
+``custom_ops.paged_attention_prefill`` where the head size is 64 or 128 and the kernels are built for the model's
+dtype on this CPU (bfloat16: AVX512-BF16; float32: AVX2 and FMA); elsewhere through PyTorch SDPA
+(``torch_sdpa.sdpa_prefill``). The kernel choice is made once per dtype, when the implementation is built: each
+``CPUAttentionImpl`` holds the operators it calls; only the lookup by dtype is per call, because the implementation
+is built before it sees a tensor.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ from minivllm.attention.backend import (
 from minivllm.attention.backends.torch_sdpa import sdpa_prefill
 
 
-def prefill_kernel_supported(head_dim: int) -> bool:
-    """Whether ``custom_ops.paged_attention_prefill`` runs here for this head size."""
-    return head_dim in (64, 128) and custom_ops.prefill_kernel_available()
+def prefill_kernel_supported(head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether ``custom_ops.paged_attention_prefill`` runs here for this head size and dtype."""
+    return head_dim in (64, 128) and custom_ops.prefill_kernel_available(dtype)
 
 
 @dataclass(frozen=True, eq=False)
@@ -81,7 +82,8 @@ class CPUAttentionImpl(AttentionImpl):
     def __init__(self, num_heads: int, head_dim: int, scale: float, num_kv_heads: int) -> None:
         super().__init__(num_heads, head_dim, scale, num_kv_heads)
         self._decode_op = custom_ops.paged_attention_decode
-        self._prefill = self._prefill_kernel if prefill_kernel_supported(head_dim) else self._prefill_sdpa
+        self._prefill = {dtype: (self._prefill_kernel if prefill_kernel_supported(head_dim, dtype) else
+                                 self._prefill_sdpa) for dtype in (torch.bfloat16, torch.float32)}
         self._prefill_op = custom_ops.paged_attention_prefill
 
     def _prefill_kernel(self, out, query, key, value, kv_cache, md: CPUAttentionMetadata) -> None:
@@ -99,9 +101,7 @@ class CPUAttentionImpl(AttentionImpl):
             self._decode_op(out, query, kv_cache, md.decode_block_table, md.decode_seq_lens, md.decode_token_idx,
                             self.scale)
         if md.prefill_reqs:
-            # float32 (MINIVLLM_CPU_KERNELS_FP32=1) never reaches the prefill kernel: it is bfloat16-only.
-            prefill = self._prefill if query.dtype == torch.bfloat16 else self._prefill_sdpa
-            prefill(out, query, key, value, kv_cache, md)
+            self._prefill[query.dtype](out, query, key, value, kv_cache, md)
         return out
 
 
