@@ -45,7 +45,7 @@ from minivllm import envs
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp",
-           "skinny_gemm.cpp", "torch_bindings.cpp"]
+           "skinny_gemm.cpp", "packed_gemm.cpp", "torch_bindings.cpp"]
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]
@@ -282,3 +282,33 @@ def rotary_embedding(
     """Rotate heads ``0 .. num_rotated-1`` of ``qk [T, heads, head_dim]`` in place by the angles of ``positions
     int64 [T]`` (float32 tables ``[max_position, head_dim]``, the layout of ``RotaryEmbedding``)."""
     _ops().rotary_embedding(positions, qk, num_rotated, cos, sin)
+
+
+def packed_gemm_available() -> bool:
+    """True when the kernels are built with ``packed_gemm`` (a CPU with AVX2 and FMA, or AVX-512)."""
+    return load() and bool(_ops().packed_gemm_available())
+
+
+def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
+    """``weight [out, in]`` float32, contiguous -> the panels ``packed_gemm`` reads: ``[ceil(out / w), in, w]``,
+    ``w`` output columns each (32 with AVX-512, 16 with AVX2), zeros past the last column (``csrc/packed_gemm.cpp``).
+
+    Raises:
+        RuntimeError: (the kernel's check) for another dtype or layout, or when ``packed_gemm_available()`` is False.
+    """
+    return _ops().pack_gemm_weight(weight)
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``x [rows, in] @ weight.T`` -> ``[rows, out_features]`` float32, ``weight`` packed by ``pack_gemm_weight``:
+    the float32 linear layers of 2 rows and more (``csrc/packed_gemm.cpp``), the panels split across the threads.
+    Sums over ``in`` in order with fused multiply-adds: equal to ``F.linear`` within float32 rounding, not bit for
+    bit.
+
+    Raises:
+        RuntimeError: (the kernel's check) when a dtype is not float32, ``x``'s rows are not contiguous, its width
+            is not the packed weight's, or ``out_features`` does not match the panels.
+    """
+    out = x.new_empty((x.shape[0], out_features)) if x.dim() == 2 else x.new_empty(0, out_features)
+    _ops().packed_gemm(out, x, packed)
+    return out

@@ -6,17 +6,17 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
 * ``MINIVLLM_CPU_KERNELS`` (default ``1``): ``0`` keeps bfloat16 on the CPU on PyTorch operators instead of
   minivllm's C++ kernels (``minivllm.custom_ops``). Read when a model is loaded and when a model runner is
   built (its attention backend and its ``CustomOp`` layers' implementation), never per call.
-* ``MINIVLLM_CPU_KERNELS_FP32`` (default ``1``): float32 on the CPU runs through the same kernels too (decode
-  attention, RMSNorm, RoPE, SiLU-and-mul, the batch-1 linear layers; prefill attention stays on SDPA) and multiplies
-  steps of 2 rows and more with oneDNN-packed weights (up to 1024 rows without AVX-512:
-  ``packed_linear.FP32_PACKED_TOKENS``), as vLLM's CPU build runs float32: the fast path, what ``LLM()`` and ``serve``
-  give. ``0`` chooses the exact reference, PyTorch's operators, whose float32 results the course compares bit for bit
+* ``MINIVLLM_CPU_KERNELS_FP32`` (default ``1``): float32 on the CPU runs through the same kernels too (decode and
+  prefill attention, RMSNorm, RoPE, SiLU-and-mul, the batch-1 linear layers) and multiplies steps of 2 rows and more
+  with packed weights (minivllm's ``packed_gemm``; oneDNN where that kernel is not built, up to 1024 rows without
+  AVX-512: ``packed_linear.FP32_PACKED_TOKENS``), as vLLM's CPU build runs float32 through its own kernels and
+  oneDNN-packed weights: the fast path, what ``LLM()`` and ``serve`` give. ``0`` chooses the exact reference, PyTorch's operators, whose float32 results the course compares bit for bit
   (the kernels sum in another order: results differ in the last bits, ``minivllm.custom_ops``); ``./course.sh`` sets
   ``0`` for the course (``lab``, ``test``, ``grade``, ``slides``, ``figures``, ``vllm-check``), and so does the test
   suite. Read when a model is loaded and when a model runner is built, like ``MINIVLLM_CPU_KERNELS``, which must also
   be on.
-* ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed oneDNN weights of
-  ``minivllm.model.packed_linear``. Read when a linear layer is built and when a model is loaded or a model runner
+* ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed weights of
+  ``minivllm.model.packed_linear`` (oneDNN's for bfloat16, ``packed_gemm``'s panels for float32). Read when a linear layer is built and when a model is loaded or a model runner
   is built (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
 * ``MINIVLLM_CPU_THREADS_AUTO`` (default ``1``): on the CPU, when nobody chose a thread count (``OMP_NUM_THREADS``
   unset, torch's count equal to the CPUs the process may use), the worker lowers torch's thread count while other

@@ -16,7 +16,7 @@ from minivllm.i18n import N_, _, is_chinese
 CATEGORIES: List[Tuple[str, Tuple[str, ...]]] = [
     (N_("attention: KV gather"), ("index_select",)),
     (N_("attention: QK^T, softmax, PV"), ("bmm", "softmax", "masked_fill", "scaled_dot_product", "paged_attention")),
-    (N_("linear layers + LM head"), ("_linear_pointwise", "aten::mm", "aten::addmm")),
+    (N_("linear layers + LM head"), ("_linear_pointwise", "aten::mm", "aten::addmm", "packed_gemm", "skinny_gemm")),
     (N_("KV cache write"), ("index_copy",)),
     (N_("sampling"), ("argmax", "exponential", "topk", "sort")),
 ]

@@ -13,6 +13,10 @@
 #include <cmath>
 #include <cstdint>
 
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#include <immintrin.h>
+#endif
+
 namespace minivllm {
 
 // Type punning through a union (defined behaviour in GCC): GCC 12 vectorises loops over it, but not over
@@ -96,6 +100,37 @@ struct Lanes {
 constexpr int kLanes = 16;
 #else
 constexpr int kLanes = 8;
+#endif
+
+// One float32 vector register and the few operations the hand-blocked kernels (prefill attention's float32 build,
+// packed_gemm) use, in intrinsics: their accumulators must stay in registers, which GCC's vector types do not
+// guarantee once a loop is unrolled over an array of them. MINIVLLM_FMA_LANES: 16 with AVX-512, 8 with AVX2 and FMA,
+// 0 where neither is compiled in (those kernels are then not built).
+#if defined(__AVX512F__)
+#define MINIVLLM_FMA_LANES 16
+#elif defined(__AVX2__) && defined(__FMA__)
+#define MINIVLLM_FMA_LANES 8
+#else
+#define MINIVLLM_FMA_LANES 0
+#endif
+#if MINIVLLM_FMA_LANES > 0
+namespace reg {
+#if MINIVLLM_FMA_LANES == 16
+using Vec = __m512;
+inline Vec load(const float* p) { return _mm512_loadu_ps(p); }
+inline Vec set1(float x) { return _mm512_set1_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+inline void store(float* p, Vec v) { _mm512_storeu_ps(p, v); }
+#else
+using Vec = __m256;
+inline Vec load(const float* p) { return _mm256_loadu_ps(p); }
+inline Vec set1(float x) { return _mm256_set1_ps(x); }
+inline Vec fma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+inline void store(float* p, Vec v) { _mm256_storeu_ps(p, v); }
+#endif
+constexpr int L = MINIVLLM_FMA_LANES;
+inline Vec zero() { return set1(0.f); }
+}  // namespace reg
 #endif
 
 typedef Lanes<16>::f vfloat16;

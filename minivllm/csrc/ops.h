@@ -35,6 +35,14 @@ void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 // out [1, out_features] = x [1, in_features] @ weight [out_features, in_features]^T, float32 (batch-1 decode).
 void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 
+// out [rows, out_features] = x [rows, in_features] @ W^T, float32, W packed by pack_gemm_weight into panels of
+// packed_gemm_panel_width() output columns ([panels, in_features, width]). Builds with AVX2 and FMA or AVX-512
+// (packed_gemm_available()).
+at::Tensor pack_gemm_weight(const at::Tensor& weight);
+void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed);
+bool packed_gemm_available();
+int64_t packed_gemm_panel_width();
+
 // Rotates the first num_rotated heads of every row of qk [tokens, heads, head_dim] in place by the angles of
 // positions [tokens], with full-width float32 tables cos/sin [max_position, head_dim] (NeoX half split).
 void rotary_embedding(const at::Tensor& positions, at::Tensor& qk, int64_t num_rotated, const at::Tensor& cos,

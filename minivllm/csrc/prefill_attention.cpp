@@ -19,28 +19,16 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
-#include <immintrin.h>
-#endif
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #define MINIVLLM_PREFILL_KERNEL 1
 #else
 #define MINIVLLM_PREFILL_KERNEL 0
 #endif
-// float32 lanes per vector register: 16 with AVX-512, 8 with AVX2 and FMA, 0 (no float32 kernel) otherwise.
-#if defined(__AVX512F__)
-#define MINIVLLM_PREFILL_F32_LANES 16
-#elif defined(__AVX2__) && defined(__FMA__)
-#define MINIVLLM_PREFILL_F32_LANES 8
-#else
-#define MINIVLLM_PREFILL_F32_LANES 0
-#endif
-
 namespace minivllm {
 
 bool prefill_kernel_available(c10::ScalarType dtype) {
   if (dtype == at::kBFloat16) return MINIVLLM_PREFILL_KERNEL;
-  if (dtype == at::kFloat) return MINIVLLM_PREFILL_F32_LANES > 0;
+  if (dtype == at::kFloat) return MINIVLLM_FMA_LANES > 0;
   return false;
 }
 
@@ -248,25 +236,11 @@ void prefill_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
 }  // namespace
 #endif
 
-#if MINIVLLM_PREFILL_F32_LANES > 0
+#if MINIVLLM_FMA_LANES > 0
 namespace {
 
-// One float32 vector register: L lanes.
-constexpr int L = MINIVLLM_PREFILL_F32_LANES;
-#if MINIVLLM_PREFILL_F32_LANES == 16
-using Vec = __m512;
-inline Vec vload(const float* p) { return _mm512_loadu_ps(p); }
-inline Vec vset1(float x) { return _mm512_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm512_storeu_ps(p, v); }
-#else
-using Vec = __m256;
-inline Vec vload(const float* p) { return _mm256_loadu_ps(p); }
-inline Vec vset1(float x) { return _mm256_set1_ps(x); }
-inline Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
-inline void vstore(float* p, Vec v) { _mm256_storeu_ps(p, v); }
-#endif
-inline Vec vzero() { return vset1(0.f); }
+using reg::L;
+using reg::Vec;
 
 // Q.K^T: R rows against the L keys of one block at a time, R accumulators (one register each, independent chains)
 // fed by one column of keys and R broadcast query elements per step of d. P.V: PR rows by CW column vectors of
@@ -337,7 +311,7 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
         for (int64_t i0 = 0; i0 < n_rows; i0 += kF32Rows) {
           const int64_t nr = std::min<int64_t>(kF32Rows, n_rows - i0);
           if (k0 > qpos[i0 + nr - 1]) {  // the whole block is in these rows' future
-            for (int64_t r = 0; r < nr; ++r) vstore(probs.data() + (i0 + r) * keys_cap + k0, vset1(neg_inf));
+            for (int64_t r = 0; r < nr; ++r) reg::store(probs.data() + (i0 + r) * keys_cap + k0, reg::set1(neg_inf));
             continue;
           }
           // Rows past the tile repeat its last row (results dropped): no branch in the loop, so the accumulators
@@ -347,18 +321,18 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
           for (int r = 0; r < kF32Rows; ++r) qr[r] = qrow[i0 + std::min<int64_t>(r, nr - 1)];
           Vec s[kF32Rows];
           #pragma GCC unroll 8
-          for (int r = 0; r < kF32Rows; ++r) s[r] = vzero();
+          for (int r = 0; r < kF32Rows; ++r) s[r] = reg::zero();
           #pragma GCC unroll 4
           for (int d = 0; d < D; ++d) {
-            const Vec kd = vload(kt[d]);
+            const Vec kd = reg::load(kt[d]);
             #pragma GCC unroll 8
-            for (int r = 0; r < kF32Rows; ++r) s[r] = vfma(vset1(qr[r][d]), kd, s[r]);
+            for (int r = 0; r < kF32Rows; ++r) s[r] = reg::fma(reg::set1(qr[r][d]), kd, s[r]);
           }
           // Through memory with constant indices: indexing s by the run-time row count would keep the
           // accumulators on the stack for the whole loop.
           alignas(64) float sres[kF32Rows][L];
           #pragma GCC unroll 8
-          for (int r = 0; r < kF32Rows; ++r) vstore(sres[r], s[r]);
+          for (int r = 0; r < kF32Rows; ++r) reg::store(sres[r], s[r]);
           for (int64_t r = 0; r < nr; ++r) {
             const VL visible = VL{} + float(std::min<int64_t>(qpos[i0 + r] - k0 + 1, nk));  // keys k0 .. k0 + it - 1
             const VL x = loadn<F32, L>(sres[r]) * scale;
@@ -401,7 +375,7 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
           #pragma GCC unroll 4
           for (int r = 0; r < kF32PvRows; ++r)
             #pragma GCC unroll 4
-            for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = vzero();
+            for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = reg::zero();
           for (int64_t b0 = 0; b0 < last; b0 += block_size) {  // one block of the request at a time
             const float* vb = kv_ptr + value_offset + blocks[b0 / block_size] * block_size * token_stride +
                               item.kv_head * D + c0;
@@ -410,12 +384,12 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
               const float* v = vb + t * token_stride;
               Vec vv[kF32PvCols];
               #pragma GCC unroll 4
-              for (int c = 0; c < kF32PvCols; ++c) vv[c] = vload(v + c * L);
+              for (int c = 0; c < kF32PvCols; ++c) vv[c] = reg::load(v + c * L);
               #pragma GCC unroll 4
               for (int r = 0; r < kF32PvRows; ++r) {
-                const Vec p = vset1(pr[r][b0 + t]);
+                const Vec p = reg::set1(pr[r][b0 + t]);
                 #pragma GCC unroll 4
-                for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = vfma(p, vv[c], acc[r][c]);
+                for (int c = 0; c < kF32PvCols; ++c) acc[r][c] = reg::fma(p, vv[c], acc[r][c]);
               }
             }
           }
@@ -423,7 +397,7 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
           #pragma GCC unroll 4
           for (int r = 0; r < kF32PvRows; ++r)
             #pragma GCC unroll 4
-            for (int c = 0; c < kF32PvCols; ++c) vstore(ares[r] + c * L, acc[r][c]);
+            for (int c = 0; c < kF32PvCols; ++c) reg::store(ares[r] + c * L, acc[r][c]);
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = i0 + r;
             const int64_t t = item.tile_start + i / group;
@@ -498,7 +472,7 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
       prefill_bf16<128>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));
   }
 #endif
-#if MINIVLLM_PREFILL_F32_LANES > 0
+#if MINIVLLM_FMA_LANES > 0
   if (dtype == at::kFloat) {
     if (query.size(2) == 64)
       prefill_f32<64>(out, query, kv_cache, block_table, qs, ql, cl, static_cast<float>(scale));

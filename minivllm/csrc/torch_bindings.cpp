@@ -23,6 +23,11 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.impl("silu_and_mul", c10::DispatchKey::CPU, &minivllm::silu_and_mul);
   m.def("skinny_gemm(Tensor(a!) out, Tensor x, Tensor weight) -> ()");
   m.impl("skinny_gemm", c10::DispatchKey::CPU, &minivllm::skinny_gemm);
+  m.def("pack_gemm_weight(Tensor weight) -> Tensor");
+  m.impl("pack_gemm_weight", c10::DispatchKey::CPU, &minivllm::pack_gemm_weight);
+  m.def("packed_gemm(Tensor(a!) out, Tensor x, Tensor packed) -> ()");
+  m.impl("packed_gemm", c10::DispatchKey::CPU, &minivllm::packed_gemm);
+  m.def("packed_gemm_available() -> bool", &minivllm::packed_gemm_available);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) qk, int num_rotated, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &minivllm::rotary_embedding);
 }

@@ -229,6 +229,7 @@ def test_step_profile_groups_operators():
     assert categorise("aten::bmm") == "attention: QK^T, softmax, PV"
     assert categorise("aten::mm") == "linear layers + LM head"
     assert categorise("mkldnn::_linear_pointwise") == "linear layers + LM head"
+    assert categorise("minivllm_cpu::packed_gemm") == categorise("minivllm_cpu::skinny_gemm") == "linear layers + LM head"
     assert categorise("aten::index_select") == "attention: KV gather"
     assert categorise("aten::rsqrt") == OTHER
     eng = LLMEngine("tiny", enable_prefix_caching=False)

@@ -86,18 +86,54 @@ def test_logits_agree_to_float32_rounding_and_tokens_are_equal(monkeypatch):
     assert tokens_on == tokens_off
 
 
-def test_float32_packing_only_for_the_rows_where_onednn_wins():
+def test_float32_packing_from_two_rows():
     pw = PackedWeight()
     w = torch.randn(96, 64)
     with torch.no_grad():
         assert not pw.usable(torch.randn(16, 64), w)  # not switched on: MKL, the reference
         pw.set_float32(True)
-        assert [pw.usable(torch.randn(n, 64), w) for n in (1, 2, 64, 1024)] == [False, True, True, True]
-        assert pw.usable(torch.randn(1025, 64), w) == (1025 in packed_linear.FP32_PACKED_TOKENS)
+        assert pw.gemm == custom_ops.packed_gemm_available()
+        rows = (1, 2, 64, 1024, 1025, 2048)
+        # packed_gemm from 2 rows where it is built; else oneDNN for FP32_PACKED_TOKENS rows
+        expect = [n >= 2 if pw.gemm else n in packed_linear.FP32_PACKED_TOKENS for n in rows]
+        assert [pw.usable(torch.randn(n, 64), w) for n in rows] == expect
         assert not pw.usable(torch.randn(16, 64, dtype=torch.float64), w.double())
         x = torch.randn(16, 64)
         torch.testing.assert_close(pw.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
     assert not pw.usable(torch.randn(16, 64), w)  # autograd on: the packed op has no backward
+
+
+@pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 7), (32, 1536), (1, 5)])
+@pytest.mark.parametrize("rows", [2, 5, 6, 7, 12, 13, 25, 300])
+def test_packed_gemm_equals_linear(out_features, in_features, rows):
+    """Every row tile (6 with AVX2, 12 with AVX-512, and the shorter last ones) and a last panel of fewer columns
+    (33, 1, 5 output features) against a float64 product; x a view with a row stride (a slice of a wider tensor)."""
+    g = torch.Generator().manual_seed(rows + out_features)
+    w = torch.randn(out_features, in_features, generator=g)
+    wide = torch.randn(rows, in_features + 3, generator=g)
+    x = wide[:, 2 : 2 + in_features]
+    packed = custom_ops.pack_gemm_weight(w)
+    out = custom_ops.packed_gemm(x, packed, out_features)
+    ref = x.double() @ w.double().T
+    assert out.shape == (rows, out_features)
+    torch.testing.assert_close(out.double(), ref, atol=1e-5 * in_features ** 0.5, rtol=1e-6)
+
+
+@pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+def test_packed_gemm_rejects_bad_input():
+    w = torch.randn(40, 16)
+    packed = custom_ops.pack_gemm_weight(w)
+    with pytest.raises(RuntimeError, match="in_features"):
+        custom_ops.packed_gemm(torch.randn(4, 17), packed, 40)
+    with pytest.raises(RuntimeError, match="panels"):  # 40 features fit the panels, 200 do not
+        custom_ops.packed_gemm(torch.randn(4, 16), packed, 200)
+    with pytest.raises(RuntimeError, match="float32"):
+        custom_ops.packed_gemm(torch.randn(4, 16, dtype=torch.float64), packed, 40)
+    with pytest.raises(RuntimeError, match="contiguous"):
+        custom_ops.pack_gemm_weight(w.t())
+    with pytest.raises(RuntimeError, match="contiguous rows"):
+        custom_ops.packed_gemm(torch.randn(16, 4).t(), packed, 40)
 
 
 def test_float32_packed_rows_follow_the_vector_unit():

@@ -1,0 +1,133 @@
+// A float32 linear layer for 2 rows of activations and more, y = x W^T, on a weight packed once into column panels:
+// the blocked outer-product scheme of BLIS and GotoBLAS (Goto and van de Geijn, "Anatomy of high-performance matrix
+// multiplication", TOMS 2008, section 5), one register tile of MR rows by NR output columns. vLLM 0.32's CPU build
+// multiplies float32 with oneDNN on a weight packed at load time (dispatch_cpu_unquantized_gemm,
+// vllm/model_executor/layers/utils.py L470), which minivllm did too until this kernel: at the 8-64 rows of a decode
+// step oneDNN ran SmolLM2's projections at 130-180 GFLOP/s on two Zen 4 cores where this loop runs at 180-210
+// (minivllm/bench/OPTIMISATIONS.md, "Float32 prefill attention and a packed GEMM").
+//
+// Layout: panel j holds output columns j*NR .. j*NR+NR-1 as [K][NR] (zeros past the last column), so the inner loop
+// reads NR consecutive floats per k. Each thread takes a run of panels and multiplies all M rows by one panel before
+// the next: the panel comes from memory once (decode steps stream the weights) and from the L2 cache for the other
+// row tiles. Per k, a tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused
+// multiply-adds into MR * NR / L accumulator registers: 24 with AVX-512 (12 x 32), 12 with AVX2 (6 x 16, of its 16).
+
+#include "ops.h"
+
+#include <ATen/Functions.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <utility>
+
+namespace minivllm {
+
+#if MINIVLLM_FMA_LANES > 0
+namespace {
+
+using reg::L;
+using reg::Vec;
+constexpr int NR = 2 * L;               // output columns per panel: two registers
+constexpr int MR = L == 16 ? 12 : 6;    // activation rows per register tile
+
+// y[r][0 .. ncols-1] = sum_k x[r][k] * panel[k][.] for the R <= MR rows of one tile.
+template <int R>
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t ncols) {
+  Vec acc[R][2];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = reg::zero();
+  for (int64_t k = 0; k < K; ++k) {
+    const Vec b0 = reg::load(panel + k * NR), b1 = reg::load(panel + k * NR + L);
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      const Vec a = reg::set1(x[r * ldx + k]);
+      acc[r][0] = reg::fma(a, b0, acc[r][0]);
+      acc[r][1] = reg::fma(a, b1, acc[r][1]);
+    }
+  }
+  if (ncols == NR) {
+    #pragma GCC unroll 16
+    for (int r = 0; r < R; ++r) {
+      reg::store(y + r * ldy, acc[r][0]);
+      reg::store(y + r * ldy + L, acc[r][1]);
+    }
+    return;
+  }
+  // The last panel of a weight whose rows are not a multiple of NR: through memory, constant indices only (an
+  // index known at run time would keep the accumulators on the stack for the whole loop above).
+  alignas(64) float part[R][NR];
+  #pragma GCC unroll 16
+  for (int r = 0; r < R; ++r) {
+    reg::store(part[r], acc[r][0]);
+    reg::store(part[r] + L, acc[r][1]);
+  }
+  for (int r = 0; r < R; ++r) std::copy(part[r], part[r] + ncols, y + r * ldy);
+}
+
+template <int... R>
+inline void tail(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                 int64_t ncols, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? tile<R + 1>(x, ldx, panel, K, y, ldy, ncols) : void()), ...);
+}
+
+}  // namespace
+#endif
+
+bool packed_gemm_available() { return MINIVLLM_FMA_LANES > 0; }
+
+int64_t packed_gemm_panel_width() { return MINIVLLM_FMA_LANES * 2; }
+
+at::Tensor pack_gemm_weight(const at::Tensor& weight) {
+  TORCH_CHECK(packed_gemm_available(), "pack_gemm_weight: this build has no packed GEMM (it needs AVX2 and FMA)");
+  TORCH_CHECK(weight.scalar_type() == at::kFloat && weight.dim() == 2 && weight.is_contiguous(),
+              "pack_gemm_weight: weight must be a contiguous float32 [out_features, in_features]");
+  const int64_t N = weight.size(0), K = weight.size(1), nr = packed_gemm_panel_width();
+  const int64_t panels = (N + nr - 1) / nr;
+  at::Tensor packed = at::empty({panels, K, nr}, weight.options());
+  const float* w = weight.data_ptr<float>();
+  float* p = packed.data_ptr<float>();
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j)
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t c = 0; c < nr; ++c) {
+          const int64_t n = j * nr + c;
+          p[(j * K + k) * nr + c] = n < N ? w[n * K + k] : 0.f;
+        }
+  });
+  return packed;
+}
+
+void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed) {
+  TORCH_CHECK(packed_gemm_available(), "packed_gemm: this build has no packed GEMM (it needs AVX2 and FMA)");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && out.scalar_type() == at::kFloat && packed.scalar_type() == at::kFloat,
+              "packed_gemm: x, out and packed must be float32");
+  TORCH_CHECK(x.dim() == 2 && x.stride(1) == 1, "packed_gemm: x must be [rows, in_features] with contiguous rows");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == packed_gemm_panel_width(),
+              "packed_gemm: packed must come from pack_gemm_weight in this build (panels of ",
+              packed_gemm_panel_width(), " columns)");
+  const int64_t M = x.size(0), K = x.size(1), N = out.size(1), nr = packed.size(2);
+  TORCH_CHECK(packed.size(1) == K, "packed_gemm: x has ", K, " in_features, the packed weight ", packed.size(1));
+  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (N + nr - 1) / nr == packed.size(0),
+              "packed_gemm: out must be [", M, ", out_features] with contiguous rows, out_features matching the "
+              "packed weight's ", packed.size(0), " panels of ", nr);
+#if MINIVLLM_FMA_LANES > 0
+  const float* xp = x.data_ptr<float>();
+  const float* pp = packed.data_ptr<float>();
+  float* yp = out.data_ptr<float>();
+  const int64_t ldx = x.stride(0), ldy = out.stride(0);
+  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t j = begin; j < end; ++j) {
+      const float* panel = pp + j * K * NR;
+      const int64_t ncols = std::min<int64_t>(NR, N - j * NR);
+      int64_t r = 0;
+      for (; r + MR <= M; r += MR) tile<MR>(xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols);
+      if (r < M)
+        tail(int(M - r), xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols,
+             std::make_integer_sequence<int, MR - 1>{});
+    }
+  });
+#endif
+}
+
+}  // namespace minivllm
