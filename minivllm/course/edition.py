@@ -119,6 +119,9 @@ def _read_po(path: Path):
     for m in catalog:
         if m.context in previous:
             m.previous_id = [previous[m.context]]
+        # Babel's reader also keeps each "#|" line as a translator comment ("| msgid ..."), which the next write
+        # would keep under the entry as "# |" lines for good, one more set at every change: they are not comments.
+        m.user_comments = [c for c in m.user_comments if not c.startswith("|")]
     return catalog
 
 

@@ -55,15 +55,19 @@ def tree(tmp_path):
     return nb
 
 
+def _filled(work: str) -> str:
+    """A work file with every cell's Chinese written (``_fake_chinese``)."""
+    blocks = re.split(r"^(===== cell \S+ =====\n)", work, flags=re.M)
+    filled = [blocks[0]]
+    for head, body in zip(blocks[1::2], blocks[2::2]):
+        en = body.split("\n" + edition.WORK_ZH + "\n")[0]
+        filled.append(head + en + "\n" + edition.WORK_ZH + "\n" + _fake_chinese(en) + "\n\n")
+    return "".join(filled)
+
+
 def _translate_all(nb):
     for english in edition.english_notebooks(nb):
-        work = edition.export_work_file(english, root=nb)
-        blocks = re.split(r"^(===== cell \S+ =====\n)", work, flags=re.M)
-        filled = [blocks[0]]
-        for head, body in zip(blocks[1::2], blocks[2::2]):
-            en = body.split("\n" + edition.WORK_ZH + "\n")[0]
-            filled.append(head + en + "\n" + edition.WORK_ZH + "\n" + _fake_chinese(en) + "\n\n")
-        assert edition.import_work_file(english, "".join(filled), root=nb) > 10
+        assert edition.import_work_file(english, _filled(edition.export_work_file(english, root=nb)), root=nb) > 10
 
 
 def test_a_changed_english_cell_becomes_fuzzy_and_blocks_the_build(tree):
@@ -92,6 +96,15 @@ def test_a_changed_english_cell_becomes_fuzzy_and_blocks_the_build(tree):
     assert "token budget" in entry.previous_id[0] and "per-step" not in entry.previous_id[0]
     assert "#, fuzzy" in po.read_text(encoding="utf-8") and "#| msgid" in po.read_text(encoding="utf-8")
     assert [cid for _, cid, _ in edition.check(tree).fuzzy] == [cell["id"]]
+
+    # The translator revises it: the flag and the old English go, and no trace of them stays in the catalog through
+    # later updates (Babel's reader also keeps "#|" lines as translator comments, which were written back as "# |").
+    assert edition.import_work_file(path, _filled(edition.export_work_file(path, root=tree)), root=tree) == 1
+    edition.update(tree)
+    text = po.read_text(encoding="utf-8")
+    assert "#, fuzzy" not in text and "#|" not in text and "# |" not in text
+    edition.build(tree)
+    assert not edition.check(tree), edition.check(tree).format()
 
 
 def test_build_keeps_code_and_rewrites_links_and_anchors(tree):
