@@ -1,7 +1,7 @@
 """The engine's own CPU kernels (``minivllm/csrc``), compiled on first use, and their Python entry points (vLLM:
 ``vllm/_custom_ops.py`` over ``csrc/cpu``).
 
-Seven operators, each replacing one or several PyTorch operators of one decoder layer:
+Eight operators, each replacing one or several PyTorch operators of one decoder layer:
 
 * ``paged_attention_decode``: decode attention that follows each request's block table through the paged KV
   cache, with no gather, padding or mask (``csrc/attention.cpp``; vLLM ``paged_attention_v1``).
@@ -13,12 +13,14 @@ Seven operators, each replacing one or several PyTorch operators of one decoder 
 * ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
 * ``skinny_gemm``: a float32 linear layer for one row of activations, the batch-1 decode's matrix-vector products,
   with the output rows split across the threads (``csrc/skinny_gemm.cpp``).
+* ``packed_gemm``: a float32 linear layer for 2 rows and more, register tiles over a weight packed once into column
+  panels by ``pack_gemm_weight`` (``csrc/packed_gemm.cpp``; ``packed_gemm_available()``).
 
 They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
 the compiler flags, the PyTorch version and the CPU). The model uses them for bfloat16 on the CPU, and for float32
-too by default (``MINIVLLM_CPU_KERNELS_FP32``, default ``1``: decode attention, RMSNorm, RoPE, SiLU-and-mul and
-the batch-1 linear layers), as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ
+too by default (``MINIVLLM_CPU_KERNELS_FP32``, default ``1``: decode and prefill attention, RMSNorm, RoPE,
+SiLU-and-mul and the linear layers), as vLLM's CPU build runs float32 through its ``csrc/cpu`` kernels; results then differ
 from PyTorch's operators in the last bits (sums in another order). ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps float32 on
 those operators, the exact reference the course compares bit for bit and token for token against Hugging Face
 (``./course.sh`` and the test suite choose it).

@@ -10,14 +10,17 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
   prefill attention, RMSNorm, RoPE, SiLU-and-mul, the batch-1 linear layers) and multiplies steps of 2 rows and more
   with packed weights (minivllm's ``packed_gemm``; oneDNN where that kernel is not built, up to 1024 rows without
   AVX-512: ``packed_linear.FP32_PACKED_TOKENS``), as vLLM's CPU build runs float32 through its own kernels and
-  oneDNN-packed weights: the fast path, what ``LLM()`` and ``serve`` give. ``0`` chooses the exact reference, PyTorch's operators, whose float32 results the course compares bit for bit
-  (the kernels sum in another order: results differ in the last bits, ``minivllm.custom_ops``); ``./course.sh`` sets
+  oneDNN-packed weights: the fast path, what ``LLM()`` and ``serve`` give. ``0`` chooses the exact reference,
+  PyTorch's operators, whose float32 results the course compares bit for bit (the kernels sum in another order:
+  results differ in the last bits, ``minivllm.custom_ops``); ``./course.sh`` sets
   ``0`` for the course (``lab``, ``test``, ``grade``, ``slides``, ``figures``, ``vllm-check``), and so does the test
   suite. Read when a model is loaded and when a model runner is built, like ``MINIVLLM_CPU_KERNELS``, which must also
   be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed weights of
-  ``minivllm.model.packed_linear`` (oneDNN's for bfloat16, ``packed_gemm``'s panels for float32). Read when a linear layer is built and when a model is loaded or a model runner
-  is built (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
+  ``minivllm.model.packed_linear``: oneDNN's for bfloat16, and for float32 ``packed_gemm``'s panels (oneDNN's where
+  that kernel is not built); float32's one-row kernel, ``skinny_gemm``, reads the weight itself and stays. Read when
+  a linear layer is built and when a model is loaded or a model runner is built
+  (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
 * ``MINIVLLM_CPU_THREADS_AUTO`` (default ``1``): on the CPU, when nobody chose a thread count (``OMP_NUM_THREADS``
   unset, torch's count equal to the CPUs the process may use), the worker lowers torch's thread count while other
   processes keep CPUs busy and raises it again when they stop (``minivllm.worker.cpu_threads``); ``0`` keeps the

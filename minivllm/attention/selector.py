@@ -57,9 +57,9 @@ def get_attn_backend(device: torch.device, dtype: torch.dtype, name: Any = None,
             yourself; ``None``: on CUDA ``TRITON_ATTN`` when triton imports (and the head size suits its kernels),
             (vLLM's ``vllm/platforms/cuda.py`` ``_get_backend_priorities`` puts ``FLASH_ATTN`` first and
             ``TRITON_ATTN`` after it; minivllm has no FlashAttention backend); on the CPU ``CPU_ATTN`` for
-            bfloat16 and float32 when ``MINIVLLM_CPU_KERNELS`` is not ``0`` and the kernels build (float32 with
-            prefills on SDPA; ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps float32 on ``TORCH_SDPA``, the exact reference
-            compared with Hugging Face); else ``TORCH_SDPA``.
+            bfloat16 and float32 when ``MINIVLLM_CPU_KERNELS`` is not ``0`` and the kernels build
+            (``MINIVLLM_CPU_KERNELS_FP32=0`` keeps float32 on ``TORCH_SDPA``, the exact reference compared with
+            Hugging Face); else ``TORCH_SDPA``.
         head_size: the model's head dimension, checked against the Triton kernels' limits (``None``: not checked).
 
     Raises:

@@ -65,9 +65,10 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, flo
   for (int r = 0; r < R; ++r) std::copy(part[r], part[r] + ncols, y + r * ldy);
 }
 
+// tile<rows> for a height known at run time, 1 <= rows <= MR.
 template <int... R>
-inline void tail(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                 int64_t ncols, std::integer_sequence<int, R...>) {
+inline void tile_of(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
+                    int64_t ncols, std::integer_sequence<int, R...>) {
   ((rows == R + 1 ? tile<R + 1>(x, ldx, panel, K, y, ldy, ncols) : void()), ...);
 }
 
@@ -106,11 +107,19 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.size(2) == packed_gemm_panel_width(),
               "packed_gemm: packed must come from pack_gemm_weight in this build (panels of ",
               packed_gemm_panel_width(), " columns)");
+  TORCH_CHECK(out.dim() == 2, "packed_gemm: out must be [rows, out_features], got ", out.dim(), " dimensions");
   const int64_t M = x.size(0), K = x.size(1), N = out.size(1), nr = packed.size(2);
   TORCH_CHECK(packed.size(1) == K, "packed_gemm: x has ", K, " in_features, the packed weight ", packed.size(1));
-  TORCH_CHECK(out.dim() == 2 && out.size(0) == M && out.stride(1) == 1 && (N + nr - 1) / nr == packed.size(0),
-              "packed_gemm: out must be [", M, ", out_features] with contiguous rows, out_features matching the "
-              "packed weight's ", packed.size(0), " panels of ", nr);
+  TORCH_CHECK(out.size(0) == M && out.stride(1) == 1 && out.stride(0) >= N && (N + nr - 1) / nr == packed.size(0),
+              "packed_gemm: out must be [", M, ", out_features] with contiguous rows that do not overlap, "
+              "out_features matching the packed weight's ", packed.size(0), " panels of ", nr);
+  // Threads write disjoint columns of out while reading all of x: out sharing x's memory would race. Checked on the
+  // address ranges (so two disjoint column slices of one buffer are refused too).
+  const auto* out_begin = out.data_ptr<float>();
+  const auto* x_begin = x.data_ptr<float>();
+  const auto* out_end = out_begin + (M > 0 ? (M - 1) * out.stride(0) + N : 0);
+  const auto* x_end = x_begin + (M > 0 ? (M - 1) * x.stride(0) + K : 0);
+  TORCH_CHECK(out_end <= x_begin || x_end <= out_begin, "packed_gemm: out must not share memory with x");
 #if MINIVLLM_FMA_LANES > 0
   const float* xp = x.data_ptr<float>();
   const float* pp = packed.data_ptr<float>();
@@ -120,11 +129,15 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
     for (int64_t j = begin; j < end; ++j) {
       const float* panel = pp + j * K * NR;
       const int64_t ncols = std::min<int64_t>(NR, N - j * NR);
-      int64_t r = 0;
-      for (; r + MR <= M; r += MR) tile<MR>(xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols);
-      if (r < M)
-        tail(int(M - r), xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols,
-             std::make_integer_sequence<int, MR - 1>{});
+      // ceil(M / MR) tiles of as equal a height as possible (8 rows with AVX2: 4 + 4, not 6 + 2): a short tile
+      // has too few independent accumulator chains to cover the multiply-add latency.
+      const int64_t tiles = (M + MR - 1) / MR;
+      for (int64_t t = 0, r = 0; t < tiles; ++t) {
+        const int rows = int(M / tiles + (t < M % tiles));
+        tile_of(rows, xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols,
+                std::make_integer_sequence<int, MR>{});
+        r += rows;
+      }
     }
   });
 #endif

@@ -244,9 +244,9 @@ using reg::Vec;
 
 // Q.K^T: R rows against the L keys of one block at a time, R accumulators (one register each, independent chains)
 // fed by one column of keys and R broadcast query elements per step of d. P.V: PR rows by CW column vectors of
-// accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, its 16 registers
-// less the value vectors; GCC folds the broadcast into the multiply-add). Chosen by timing SmolLM2's first prefill
-// step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2 were slower.
+// accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, which with the 4
+// value vectors fills its 16 registers, so GCC reloads a value vector or the broadcast from L1 where it runs out).
+// Chosen by timing SmolLM2's first prefill step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2 were slower.
 constexpr int kF32Rows = 8;
 constexpr int kF32PvRows = L == 16 ? 4 : 3;
 constexpr int kF32PvCols = 4;
@@ -401,7 +401,8 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
           for (int64_t r = 0; r < nr; ++r) {
             const int64_t i = i0 + r;
             const int64_t t = item.tile_start + i / group;
-            float* dst = out_ptr + (q_start[item.req] + t) * out_row_stride + (item.kv_head * group + i % group) * D + c0;
+            float* dst =
+                out_ptr + (q_start[item.req] + t) * out_row_stride + (item.kv_head * group + i % group) * D + c0;
             for (int c = 0; c < kF32PvCols; ++c)
               storen<F32, L>(dst + c * L, loadn<F32, L>(ares[r] + c * L) * inv_sum[i]);
           }
@@ -426,10 +427,11 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
               "custom_ops.prefill_kernel_available(dtype) first)");
   TORCH_CHECK(query.dim() == 3 && query.stride(2) == 1 && query.stride(1) == query.size(2),
               "paged_attention_prefill: query must be [tokens, num_heads, head_dim] with contiguous heads");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2),
-              "paged_attention_prefill: out must have query's shape with contiguous heads");
-  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() &&
-                  kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
+  TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2) &&
+                  out.stride(0) >= out.size(1) * out.size(2),
+              "paged_attention_prefill: out must have query's shape with contiguous heads and rows that do not overlap");
+  TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && kv_cache.size(2) > 0 &&
+                  kv_cache.size(3) > 0 && kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
               "paged_attention_prefill: kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] "
               "matching query");
   TORCH_CHECK(query.size(2) == 64 || query.size(2) == 128, "paged_attention_prefill: head_dim must be 64 or 128, got ",

@@ -18,8 +18,8 @@ to 2048 rows, and with the AVX2 build (``bench --isa avx2``) 0.9x MKL's at 512-2
 (a CPU without AVX2), float32 goes to oneDNN for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD
 EPYC (AVX2, one thread, SmolLM2's 30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for
 2-32 rows and 0.92-0.96x for 64-512, and was level at 1024; with AVX-512 it is faster at every size, prefill steps
-of thousands of rows included (``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a prefill's last token) goes to
-minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the output rows across the threads:
+of thousands of rows included (``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a
+prefill's last token) goes to minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the output rows across the threads:
 MKL's did not get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``). ``MINIVLLM_CPU_KERNELS_FP32=0``
 keeps ``F.linear`` (MKL): the exact reference the course compares bit for bit; the kernels' and oneDNN's float32
 results differ from it in the last bits.

@@ -310,22 +310,25 @@ def test_paged_attention_prefill_equals_reference(dtype, heads, kv_heads, head_d
     out = torch.full_like(query, 5.0)
     custom_ops.paged_attention_prefill(out, query, cache, md.block_table, md.query_start_loc[:-1],
                                        torch.tensor(qlens), torch.tensor(ctxs), head_dim ** -0.5)
-    ref = reference_paged_attention(query.double(), cache.double(), md, head_dim ** -0.5)
+    # The reference backend (PyTorch's einsum and softmax, in float32 whatever the dtype), rounded to neither dtype.
+    ref = reference_paged_attention(query.float(), cache.float(), md, head_dim ** -0.5)
     if dtype == torch.bfloat16:
         # P is rounded to bf16 before P.V (as in PyTorch's bf16 flash attention): about 3 significant digits.
-        torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=0)
-        assert (out.double() - ref).abs().mean() < 2e-3
-    else:  # float32 sums in another order than float64: a few ulps of values of order 1
-        torch.testing.assert_close(out.double(), ref, atol=2e-6, rtol=0)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=0)
+        assert (out.float() - ref).abs().mean() < 2e-3
+    else:  # the same float32 sums in another order: a few ulps of values of order 1
+        torch.testing.assert_close(out, ref, atol=2e-6, rtol=0)
 
 
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_paged_attention_prefill_work_items_and_threads(dtype, threads):
-    """One long chunk (tiles of many lengths, most keys first) beside short ones, on one and two threads."""
+    """One long chunk (tiles of many lengths, most keys first) beside short ones, on one and two threads; rows of
+    ``out`` that no request claims (a decode row's, say) are left as they were."""
     g = torch.Generator().manual_seed(40 + threads)
     qlens, ctxs = [300, 5, 64, 1], [100, 0, 250, 0]
     cache, md, query = _prefill_case(g, qlens, ctxs, 9, 3, 64, 16, dtype)
+    query = torch.cat([query, torch.randn(3, 9, 64, generator=g).to(dtype)])  # 3 rows past the requests'
     out = torch.zeros_like(query)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -334,8 +337,9 @@ def test_paged_attention_prefill_work_items_and_threads(dtype, threads):
                                            torch.tensor(qlens), torch.tensor(ctxs), 0.125)
     finally:
         torch.set_num_threads(before)
-    ref = reference_paged_attention(query.double(), cache.double(), md, 0.125)
-    torch.testing.assert_close(out.double(), ref, atol=2e-2 if dtype == torch.bfloat16 else 2e-6, rtol=0)
+    ref = reference_paged_attention(query[:-3].float(), cache.float(), md, 0.125)
+    torch.testing.assert_close(out[:-3].float(), ref, atol=2e-2 if dtype == torch.bfloat16 else 2e-6, rtol=0)
+    assert (out[-3:] == 0).all()
 
 
 @pytest.mark.parametrize("dtype", PREFILL_DTYPES)
@@ -354,6 +358,12 @@ def test_paged_attention_prefill_rejects_bad_input(dtype):
     with pytest.raises(RuntimeError, match="blocks"):  # 2 blocks hold 32 keys, not 45
         custom_ops.paged_attention_prefill(out, query, cache, md.block_table, torch.tensor([0]), torch.tensor([20]),
                                            torch.tensor([25]), 0.125)
+    with pytest.raises(RuntimeError, match="kv_cache must be"):  # no KV heads: refused, not a division by zero
+        custom_ops.paged_attention_prefill(out, query, cache[:, :, :, :0], md.block_table, torch.tensor([0]),
+                                           torch.tensor([20]), torch.tensor([10]), 0.125)
+    with pytest.raises(RuntimeError, match="rows that do not overlap"):  # one row written by every position
+        custom_ops.paged_attention_prefill(out[:1].expand_as(out), query, cache, md.block_table, torch.tensor([0]),
+                                           torch.tensor([20]), torch.tensor([10]), 0.125)
     other = torch.float32 if dtype == torch.bfloat16 else torch.bfloat16
     with pytest.raises(RuntimeError, match="all bfloat16 or all float32"):  # a cache of another dtype
         custom_ops.paged_attention_prefill(out, query, cache.to(other), md.block_table, torch.tensor([0]),

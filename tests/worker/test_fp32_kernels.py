@@ -19,7 +19,7 @@ from step_logits import run_keeping_logits
 pytestmark = pytest.mark.skipif(not custom_ops.load(), reason="the CPU kernels cannot be built here")
 
 KERNELS = ("rms_norm", "fused_add_rms_norm", "silu_and_mul", "rotary_embedding", "paged_attention_decode",
-           "skinny_gemm")
+           "skinny_gemm", "packed_gemm")
 
 
 def _packed(model):
@@ -72,6 +72,8 @@ def test_the_switch_reaches_every_layer(monkeypatch, count_kernel_calls):
     assert len(packed) == 4 * model.config.num_hidden_layers + 1 and all(p.float32 for p in packed)
     for name in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "paged_attention_decode", "silu_and_mul"):
         assert calls[name] > 0, name
+    # Steps of 2 rows and more (all but a lone decode) multiply through packed_gemm where it is built.
+    assert (calls["packed_gemm"] > 0) == custom_ops.packed_gemm_available()
 
 
 def test_logits_agree_to_float32_rounding_and_tokens_are_equal(monkeypatch):
@@ -104,11 +106,12 @@ def test_float32_packing_from_two_rows():
 
 
 @pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 7), (32, 1536), (1, 5)])
-@pytest.mark.parametrize("rows", [2, 5, 6, 7, 12, 13, 25, 300])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 7), (52, 64), (12, 1536), (1, 5)])
+@pytest.mark.parametrize("rows", [*range(2, 26), 300])
 def test_packed_gemm_equals_linear(out_features, in_features, rows):
-    """Every row tile (6 with AVX2, 12 with AVX-512, and the shorter last ones) and a last panel of fewer columns
-    (33, 1, 5 output features) against a float64 product; x a view with a row stride (a slice of a wider tensor)."""
+    """Every row tile (6 rows with AVX2, 12 with AVX-512, and every shorter last one) and last panels of every kind
+    (panels of 16 columns with AVX2, 32 with AVX-512: 33, 52, 12, 1 and 5 output features end in panels of 1, 4,
+    5, 12 or 20 columns) against a float64 product; x a view with a row stride (a slice of a wider tensor)."""
     g = torch.Generator().manual_seed(rows + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     wide = torch.randn(rows, in_features + 3, generator=g)
@@ -134,6 +137,14 @@ def test_packed_gemm_rejects_bad_input():
         custom_ops.pack_gemm_weight(w.t())
     with pytest.raises(RuntimeError, match="contiguous rows"):
         custom_ops.packed_gemm(torch.randn(16, 4).t(), packed, 40)
+    op = custom_ops._ops().packed_gemm  # the operator itself, with an out of the caller's
+    with pytest.raises(RuntimeError, match="out must be"):
+        op(torch.empty(40), torch.randn(4, 16), packed)
+    wide = torch.randn(4, 64)
+    before = wide.clone()
+    with pytest.raises(RuntimeError, match="share memory"):  # out = columns 0-39 of the rows x reads 0-15 of
+        op(wide[:, :40], wide[:, :16], packed)
+    assert torch.equal(wide, before)  # refused before anything was written
 
 
 def test_float32_packed_rows_follow_the_vector_unit():
@@ -185,7 +196,8 @@ def test_float32_prefills_take_the_prefill_kernel_where_it_is_built(monkeypatch,
     # with prefill chunks, through 2 layers.
     assert calls["paged_attention_prefill"] == 6
     available = custom_ops.prefill_kernel_available
-    monkeypatch.setattr(custom_ops, "prefill_kernel_available", lambda dtype: dtype != torch.float32 and available(dtype))
+    monkeypatch.setattr(custom_ops, "prefill_kernel_available",
+                        lambda dtype: dtype != torch.float32 and available(dtype))
     _, sdpa, tokens_sdpa = _run(monkeypatch, "1", PROMPTS, 4, config)
     assert calls["paged_attention_prefill"] == 6
     _, ref, tokens_ref = _run(monkeypatch, "0", PROMPTS, 4, config)

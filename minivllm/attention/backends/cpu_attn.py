@@ -101,7 +101,7 @@ class CPUAttentionImpl(AttentionImpl):
             self._decode_op(out, query, kv_cache, md.decode_block_table, md.decode_seq_lens, md.decode_token_idx,
                             self.scale)
         if md.prefill_reqs:
-            self._prefill[query.dtype](out, query, key, value, kv_cache, md)
+            self._prefill.get(query.dtype, self._prefill_sdpa)(out, query, key, value, kv_cache, md)
         return out
 
 

@@ -8,8 +8,8 @@ that slice of the input, and the ranks' partial outputs are summed with one all-
 by a row layer (qkv -> o, gate_up -> down) therefore needs no communication between them, and one all-reduce at
 the end: two per decoder layer.
 
-Each class is an ``nn.Linear`` (``packed_linear.Linear``: a oneDNN-packed weight in bfloat16 on the CPU, and in
-float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``) of the rank's shape. In a group of one (``parallel_state``) every
+Each class is an ``nn.Linear`` (``packed_linear.Linear``: a packed weight on the CPU, for oneDNN in bfloat16 and
+for ``packed_gemm`` in float32 under ``MINIVLLM_CPU_KERNELS_FP32=1``) of the rank's shape. In a group of one (``parallel_state``) every
 shape is the whole layer's and nothing is reduced: exactly the single-device layer. Weights are sharded at load
 time: ``LlamaForCausalLM.load_weights`` takes the whole checkpoint tensor and keeps the slice
 ``shard_loaded_weight`` returns.

@@ -17,7 +17,8 @@ class LogitsProcessor(nn.Module):
     ``hidden x vocab`` product is the single biggest matmul of a step. Under tensor parallelism each rank multiplies
     by its vocabulary rows and an all-gather joins the slices (vLLM gathers the same way, to every rank on the CPU;
     the padding columns past ``vocab_size`` are cut). In bfloat16 on the CPU (and float32 under
-    ``MINIVLLM_CPU_KERNELS_FP32=1``, the default) the head's weight is packed once for oneDNN (``packed_linear``;
+    ``MINIVLLM_CPU_KERNELS_FP32=1``, the default) the head's weight is packed once (``packed_linear``: for oneDNN in
+    bfloat16, for ``packed_gemm`` in float32;
     in float32 one row, a step that samples one token, goes to ``skinny_gemm`` on the weight itself); the packed
     copy lives here because a tied head *is* the embedding table, which is never multiplied anywhere else. No
     scaling or soft cap (Llama uses neither).
