@@ -2,9 +2,10 @@
 // the blocked outer-product scheme of BLIS and GotoBLAS (Goto and van de Geijn, "Anatomy of high-performance matrix
 // multiplication", TOMS 2008, section 5), one register tile of MR rows by NR output columns. vLLM 0.32's CPU build
 // multiplies float32 with oneDNN on a weight packed at load time (dispatch_cpu_unquantized_gemm,
-// vllm/model_executor/layers/utils.py L470), which minivllm did too until this kernel: at the 8-64 rows of a decode
-// step oneDNN ran SmolLM2's projections at 130-180 GFLOP/s on two Zen 4 cores where this loop runs at 180-210
-// (minivllm/bench/OPTIMISATIONS.md, "Float32 prefill attention and a packed GEMM").
+// vllm/model_executor/layers/utils.py L470), which minivllm did too until this kernel: at the 8-32 rows of a decode
+// step this loop takes 0.64-0.83x oneDNN's time for SmolLM2's projections on two Zen 4 cores (0.81-0.92x built for
+// AVX2), and is level with it up to 2048 rows (minivllm/bench/OPTIMISATIONS.md, "Float32 prefill attention and a
+// packed GEMM").
 //
 // Layout: panel j holds output columns j*NR .. j*NR+NR-1 as [K][NR] (zeros past the last column), so the inner loop
 // reads NR consecutive floats per k. Each thread takes a run of panels and multiplies all M rows by one panel before
