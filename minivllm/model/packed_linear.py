@@ -12,8 +12,8 @@ underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/m
 With ``MINIVLLM_CPU_KERNELS_FP32=1`` (the default) a float32 model packs its weights too (the loader and the model
 runner say so through ``set_float32``), as vLLM's CPU build does for every dtype, but into the column panels of
 minivllm's own kernel (``custom_ops.packed_gemm``, ``csrc/packed_gemm.cpp``) for every step of 2 rows or more: on a
-2-core AMD EPYC (Zen 4) it took 0.64-0.83x oneDNN's time at the 8-32 rows of a decode step and was level from 256
-to 2048 rows, and with the AVX2 build (``bench --isa avx2``) 0.81-0.92x oneDNN's and 0.83-0.91x MKL's at 256-2048 rows
+2-core AMD EPYC (Zen 4) it took 0.64-0.83x oneDNN's time at the 8-32 rows of a decode step (0.81-0.92x built for
+AVX2, ``bench --isa avx2``) and was level with it from 256 to 2048 rows, where MKL took longer than both
 (``minivllm/bench/OPTIMISATIONS.md``, "Float32 prefill attention and a packed GEMM"). Where that kernel is not built
 (a CPU without AVX2), float32 goes to oneDNN for ``FP32_PACKED_TOKENS`` rows: measured on this project's 2-core AMD
 EPYC (AVX2, one thread, SmolLM2's 30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for
@@ -21,9 +21,8 @@ EPYC (AVX2, one thread, SmolLM2's 30 layers, weights streamed from memory), oneD
 of thousands of rows included (``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a
 prefill's last token) goes to minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the
 output rows across the threads: MKL's did not get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``).
-``MINIVLLM_CPU_KERNELS_FP32=0``
-keeps ``F.linear`` (MKL): the exact reference the course compares bit for bit; the kernels' and oneDNN's float32
-results differ from it in the last bits.
+``MINIVLLM_CPU_KERNELS_FP32=0`` keeps ``F.linear`` (MKL): the exact reference the course compares bit for bit; the
+kernels' and oneDNN's float32 results differ from it in the last bits.
 Two switches turn packing off, to compare: ``MINIVLLM_ONEDNN_PACKING=0`` (``minivllm.envs``), read when a layer is
 built and again when a model is loaded or a model runner is built (``LlamaForCausalLM.set_custom_op_dispatch``),
 never per call, like ``MINIVLLM_CPU_KERNELS``; and this module's ``ENABLED = False``, for every layer at once from a
