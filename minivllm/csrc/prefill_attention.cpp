@@ -242,9 +242,9 @@ namespace {
 using reg::L;
 using reg::Vec;
 
-// Q.K^T: R rows against the L keys of one block at a time, R accumulators (one register each, independent chains)
-// fed by one column of keys and R broadcast query elements per step of d. P.V: PR rows by CW column vectors of
-// accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, which with the 4
+// Q.K^T: kF32Rows rows against the L keys of one block at a time, one accumulator register per row (independent
+// chains) fed by one column of keys and kF32Rows broadcast query elements per step of d. P.V: kF32PvRows rows by
+// kF32PvCols column vectors of accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, which with the 4
 // value vectors fills its 16 registers, so GCC reloads a value vector or the broadcast from L1 where it runs out).
 // Chosen by timing SmolLM2's first prefill step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2 were slower.
 constexpr int kF32Rows = 8;
