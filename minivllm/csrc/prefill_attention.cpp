@@ -58,6 +58,18 @@ std::vector<Item> make_items(const std::vector<int64_t>& q_len, const std::vecto
   return items;
 }
 
+// The rows of one work item, row i = (position i / group, query head i % group): qpos[i], its position in the
+// request, and qrow[i], its query vector (q_req: the request's first query row, head_dim D elements per head).
+template <typename T>
+void tile_rows(const Item& item, int64_t ctx, int64_t group, int64_t D, const T* q_req, int64_t q_row_stride,
+               int64_t* qpos, const T** qrow) {
+  for (int64_t i = 0; i < item.tile_len * group; ++i) {
+    const int64_t t = item.tile_start + i / group;
+    qpos[i] = ctx + t;
+    qrow[i] = q_req + t * q_row_stride + (item.kv_head * group + i % group) * D;
+  }
+}
+
 }  // namespace
 
 #if MINIVLLM_PREFILL_KERNEL
@@ -106,12 +118,7 @@ void prefill_bf16(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv
       const int64_t ctx = ctx_len[item.req];
       const int64_t* blocks = bt_ptr + item.req * bt_stride;
       const int64_t n_rows = item.tile_len * group;
-      // Row i = (position i / group, query head i % group).
-      for (int64_t i = 0; i < n_rows; ++i) {
-        const int64_t t = item.tile_start + i / group;
-        qpos[i] = ctx + t;
-        qrow[i] = q_ptr + (q_start[item.req] + t) * q_row_stride + (item.kv_head * group + i % group) * D;
-      }
+      tile_rows(item, ctx, group, D, q_ptr + q_start[item.req] * q_row_stride, q_row_stride, qpos.data(), qrow.data());
       const int64_t n_keys = ctx + item.tile_start + item.tile_len;  // keys 0 .. the tile's last position
       const int64_t n_keys_padded = (n_keys + kKeys - 1) / kKeys * kKeys;
       const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
@@ -242,11 +249,12 @@ namespace {
 using reg::L;
 using reg::Vec;
 
-// Q.K^T: kF32Rows rows against the L keys of one block at a time, one accumulator register per row (independent
-// chains) fed by one column of keys and kF32Rows broadcast query elements per step of d. P.V: kF32PvRows rows by
-// kF32PvCols column vectors of accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4, which with the 4
-// value vectors fills its 16 registers, so GCC reloads a value vector or the broadcast from L1 where it runs out).
-// Chosen by timing SmolLM2's first prefill step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2 were slower.
+// Q.K^T: kF32Rows rows against the L keys of one block at a time, one accumulator register per row (independent chains)
+// fed by one column of keys and kF32Rows broadcast query elements per step of d. P.V: kF32PvRows rows by kF32PvCols
+// column vectors of accumulators per pass over the keys: 16 registers with AVX-512 (4 rows x 4), 12 with AVX2 (3 x 4,
+// which with the 4 value vectors fills its 16 registers, so GCC reloads a value vector or the broadcast from L1 where
+// it runs out). Chosen by timing SmolLM2's first prefill step (OPTIMISATIONS.md): 6 rows with AVX-512 and 2 with AVX2
+// were slower.
 constexpr int kF32Rows = 8;
 constexpr int kF32PvRows = L == 16 ? 4 : 3;
 constexpr int kF32PvCols = 4;
@@ -286,12 +294,7 @@ void prefill_f32(at::Tensor& out, const at::Tensor& query, const at::Tensor& kv_
       const int64_t ctx = ctx_len[item.req];
       const int64_t* blocks = bt_ptr + item.req * bt_stride;
       const int64_t n_rows = item.tile_len * group;
-      // Row i = (position i / group, query head i % group).
-      for (int64_t i = 0; i < n_rows; ++i) {
-        const int64_t t = item.tile_start + i / group;
-        qpos[i] = ctx + t;
-        qrow[i] = q_ptr + (q_start[item.req] + t) * q_row_stride + (item.kv_head * group + i % group) * D;
-      }
+      tile_rows(item, ctx, group, D, q_ptr + q_start[item.req] * q_row_stride, q_row_stride, qpos.data(), qrow.data());
       const int64_t n_keys = ctx + item.tile_start + item.tile_len;  // keys 0 .. the tile's last position
       const int64_t n_keys_padded = (n_keys + L - 1) / L * L;
       auto key_row = [&](int64_t pos) {  // key `pos`'s head_dim values of this KV head (values: + value_offset)
@@ -429,7 +432,8 @@ void paged_attention_prefill(at::Tensor& out, const at::Tensor& query, const at:
               "paged_attention_prefill: query must be [tokens, num_heads, head_dim] with contiguous heads");
   TORCH_CHECK(out.sizes() == query.sizes() && out.stride(2) == 1 && out.stride(1) == out.size(2) &&
                   out.stride(0) >= out.size(1) * out.size(2),
-              "paged_attention_prefill: out must have query's shape with contiguous heads and rows that do not overlap");
+              "paged_attention_prefill: out must have query's shape with contiguous heads and rows that do not "
+              "overlap");
   TORCH_CHECK(kv_cache.dim() == 5 && kv_cache.size(0) == 2 && kv_cache.is_contiguous() && kv_cache.size(2) > 0 &&
                   kv_cache.size(3) > 0 && kv_cache.size(4) == query.size(2) && query.size(1) % kv_cache.size(3) == 0,
               "paged_attention_prefill: kv_cache must be a contiguous [2, num_blocks, block_size, kv_heads, head_dim] "
