@@ -13,7 +13,11 @@ and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIO
 this process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor
 counts as used) and sets the thread count of the thread that runs the step (``torch.set_num_threads``) to the CPUs
 left, at least one: it gives up a thread when others use half a CPU or more, and takes it back when they leave
-more than 0.7 of it free, so a load near the line does not flip it every reading. It is on only when nobody chose
+more than 0.7 of it free, so a load near the line does not flip it every reading. A reading covers only time in
+which the engine was stepping: after a pause of more than ``IDLE_GAP_S`` between two steps (``step_done`` marks a
+step's end) it starts again, since what other processes did while the engine sat idle did not compete with a step
+and may be over (``bench serve`` runs two servers by turns: the other one's run put this one on one thread for its
+next burst, whose first tokens then came after 3.6 s instead of 1.8). It is on only when nobody chose
 a thread count: the engine's worker builds one when torch's count at start-up equals the CPUs this process may run
 on (on a machine with SMT, where torch's default is the physical cores, it therefore stays off),
 ``OMP_NUM_THREADS`` is unset and ``MINIVLLM_CPU_THREADS_AUTO`` is not ``0`` (``python -m minivllm bench --threads N``
@@ -34,6 +38,8 @@ import torch
 
 #: Seconds between two readings of the machine's load; a step in between keeps the last decision.
 INTERVAL_S = 0.5
+#: A pause between two steps longer than this (seconds) ends a reading's window: the engine sat idle.
+IDLE_GAP_S = 0.05
 
 
 def proc_stat_busy_seconds(cpus: List[int], path: str = "/proc/stat") -> float:
@@ -91,19 +97,23 @@ class CpuThreadGovernor:
         # The first reading is taken at the first step, not now: the time until then (compiling the kernels in a
         # child process, an idle engine) says nothing about the load the steps will meet.
         self._last: Optional[Tuple[float, float, float]] = None
+        self._last_step_end: Optional[float] = None
         self.threads, self.changes = torch.get_num_threads(), 0
         # Give the count back when the engine goes, so that later work in the process gets the machine's default.
         self._finalizer = weakref.finalize(self, torch.set_num_threads, self.threads)
 
     def others_cpus(self) -> Optional[float]:
-        """CPUs' worth of time other processes used since the last reading; ``None`` at the first reading and
-        before ``interval_s`` has passed."""
+        """CPUs' worth of time other processes used since the last reading; ``None`` at the first reading, before
+        ``interval_s`` has passed, and after a pause of more than ``IDLE_GAP_S`` since the last ``step_done`` (the
+        reading then starts again from now)."""
         now = self._clock()
-        if self._last is not None and now - self._last[0] < self.interval_s:
+        idle = self._last_step_end is not None and now - self._last_step_end > IDLE_GAP_S
+        self._last_step_end = None
+        if self._last is not None and now - self._last[0] < self.interval_s and not idle:
             return None
         busy, own = self._busy(), self._own()
         last, self._last = self._last, (now, busy, own)
-        if last is None:
+        if last is None or idle:
             return None
         then, busy0, own0 = last
         return max(0.0, (busy - busy0) - (own - own0)) / (now - then)
@@ -128,6 +138,11 @@ class CpuThreadGovernor:
             torch.set_num_threads(target)
             self.changes += 1
         return target
+
+    def step_done(self) -> None:
+        """Mark the end of a step (a clock reading, no ``/proc/stat``): the pause until the next ``update`` tells
+        whether the engine sat idle in between."""
+        self._last_step_end = self._clock()
 
     def close(self) -> None:
         """Give torch its count from before (also done when the governor is collected)."""

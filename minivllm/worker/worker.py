@@ -162,12 +162,18 @@ class Worker:
         assert self.model_runner is not None, "load_model() first"
         if self.cpu_threads is not None:
             self.cpu_threads.update()
-        return self.model_runner.execute_model(scheduler_output)
+        output = self.model_runner.execute_model(scheduler_output)
+        if output is not None and self.cpu_threads is not None:
+            self.cpu_threads.step_done()
+        return output
 
     def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
         """Sample the step ``execute_model`` ran (``ModelRunnerBase.sample_tokens``)."""
         assert self.model_runner is not None, "load_model() first"
-        return self.model_runner.sample_tokens(grammar_output)
+        output = self.model_runner.sample_tokens(grammar_output)
+        if self.cpu_threads is not None:
+            self.cpu_threads.step_done()
+        return output
 
     def shutdown(self) -> None:
         if self.cpu_threads is not None:

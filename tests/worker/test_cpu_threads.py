@@ -76,6 +76,39 @@ def test_time_before_the_first_step_is_not_counted(restore_threads):
     assert g.update() == 2 and g.changes == 0
 
 
+def test_a_load_met_while_the_engine_was_idle_is_not_counted(restore_threads):
+    """Two servers benchmarked by turns: the other one's run, while this engine sat idle, says nothing about the
+    next burst of steps; a load that goes on is counted once the steps have run for a reading's interval."""
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=2.0, others=0.0)
+    assert g.update() == 2
+    m.run(0.01, ours=2.0, others=0.0)
+    g.step_done()
+    m.run(8.0, ours=0.0, others=2.0)  # idle while another job used both CPUs, then it ended
+    assert g.update() == 2 and g.changes == 0  # the window over the pause is dropped
+    m.run(1.0, ours=2.0, others=0.0)
+    assert g.update() == 2 and g.changes == 0
+    g.step_done()
+    m.run(8.0, ours=0.0, others=1.0)  # idle again while a job starts that keeps a CPU busy
+    assert g.update() == 2
+    m.run(0.6, ours=1.5, others=1.0)  # the steps meet it
+    assert g.update() == 1 and g.changes == 1
+
+
+def test_short_pauses_between_steps_are_part_of_the_window(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    for _ in range(10):  # 10 steps of 0.09 s, 0.01 s apart, while another job holds a CPU
+        m.run(0.09, ours=1.0, others=1.0)
+        g.step_done()
+        m.run(0.01, ours=0.0, others=1.0)
+        g.update()
+    assert g.threads == 1 and g.changes == 1
+
+
 def test_a_step_from_another_thread_gets_the_decision(restore_threads):
     """torch's thread count is per thread: a step run from another thread (an async server's) is set too."""
     import threading
