@@ -116,6 +116,30 @@ def test_summarize_spread_over_repeats():
     assert a["runs"] == 3 and a["output_tok_s"] == {"median": 11.0, "min": 10.0, "max": 14.0}
 
 
+def test_wait_until_quiet_waits_for_a_quiet_window_or_the_limit():
+    from minivllm.bench.serve.cli import QUIET_WINDOW_S, wait_until_quiet
+
+    class Machine:
+        def __init__(self, loads):
+            self.now, self.busy, self.loads = 0.0, 0.0, list(loads)  # CPUs busy in each successive window
+
+        def sleep(self, s):
+            self.now += s
+            self.busy += (self.loads.pop(0) if self.loads else 0.0) * s
+
+    m = Machine([1.5, 0.4, 0.1])  # the last run's server still finishing, then quiet
+    waited = wait_until_quiet(10.0, lambda: m.busy, lambda: m.now, m.sleep)
+    assert waited == pytest.approx(3 * QUIET_WINDOW_S)
+    m = Machine([2.0] * 100)  # another job that does not stop: give up at the limit
+    assert wait_until_quiet(2.0, lambda: m.busy, lambda: m.now, m.sleep) == pytest.approx(2.0)
+    assert wait_until_quiet(0.0, lambda: 1 / 0) == 0.0  # 0: no wait, nothing read
+    from minivllm.bench.serve.cli import build_parser, check_args
+
+    for bad in ("-1", "nan", "inf"):
+        with pytest.raises(ValueError, match="--settle must be a finite number >= 0"):
+            check_args(build_parser().parse_args(["--settle", bad]))
+
+
 # ---- end to end ------------------------------------------------------------------------------------------------
 @pytest.mark.timeout(240)
 def test_bench_serve_against_minivllm_server(tmp_path):

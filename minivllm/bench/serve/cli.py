@@ -5,7 +5,9 @@ and, with ``--vllm-python``, ``vllm serve`` started here from vLLM's CPU build o
 are the benchmark's seeded random prompts (``minivllm.bench.workload.random_workload``: prompt token ids, greedy,
 ``ignore_eos``), sent at the times ``arrivals.arrival_times`` draws for each ``--request-rate``; every target gets
 the same requests at the same times. Runs are interleaved (repeat, then rate, then target) so that a change in
-the machine's load during the run affects every target alike. Prints one line per run and a summary with the
+the machine's load during the run affects every target alike, and with two targets or more each run first waits
+(``--settle``) until the machine is quiet, so that the last run's server, still finishing, does not share the CPUs
+with the next one's. Prints one line per run and a summary with the
 spread over ``--repeats``; writes every run to JSON and a latency-against-rate plot next to it.
 """
 
@@ -22,13 +24,15 @@ import statistics
 import sys
 import time
 from dataclasses import asdict
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 from minivllm.i18n import TABLE_LABEL, L_, _, pgettext, rjust
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 DEFAULT_VOCAB, TINY_VOCAB = 49152, 512
+#: The machine counts as quiet for the next run when its CPUs were busy less than QUIET_CPUS over QUIET_WINDOW_S.
+QUIET_CPUS, QUIET_WINDOW_S = 0.25, 0.5
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -60,6 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     w.add_argument("--seed", type=int, default=0, help="seed of the prompts and of the arrival times")
     w.add_argument("--repeats", type=int, default=1, help="runs per rate and target")
     w.add_argument("--warmup", type=int, default=2, help="short requests sent to each target before timing")
+    w.add_argument("--settle", type=float, default=10.0, metavar="SECONDS",
+                   help="with two targets or more: before each run, wait at most this long until the CPUs were "
+                   f"busy less than {QUIET_CPUS} CPU over {QUIET_WINDOW_S} s (0: do not wait)")
     w.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:200"], metavar="NAME:MS",
                    help="SLOs in ms (ttft, tpot, e2el) that a request must meet to count in goodput")
     o = p.add_argument_group("output")
@@ -97,6 +104,8 @@ def check_args(a) -> None:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     if a.warmup < 0:
         raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    if not (a.settle >= 0 and math.isfinite(a.settle)):
+        raise ValueError(f"--settle must be a finite number >= 0, got {a.settle}")
     if not (a.burstiness > 0 and math.isfinite(a.burstiness)):
         raise ValueError(f"--burstiness must be a finite number > 0, got {a.burstiness}")
     if a.threads is not None and a.threads < 1:
@@ -110,6 +119,35 @@ def check_args(a) -> None:
 
 
 # ---- one run ---------------------------------------------------------------------------------------------------
+def wait_until_quiet(max_s: float, busy_seconds: Optional[Callable[[], float]] = None,
+                     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
+    """Wait until the machine's CPUs were busy less than ``QUIET_CPUS`` over a window of ``QUIET_WINDOW_S``
+    seconds, at most about ``max_s`` seconds; returns the seconds waited.
+
+    Why: a server does not stop using the CPUs with its last response. After vLLM 0.32's CPU server answered a
+    burst of 8 requests, a two-core AMD EPYC's CPUs were busy 0.41 CPUs on average over the next 2.5 s, then
+    0.00-0.02; the run after it, another target's, would meet that as contention.
+    ``busy_seconds``: CPU seconds not idle on every CPU (default ``/proc/stat``); without ``/proc/stat`` this
+    returns 0 at once.
+    """
+    if max_s <= 0:
+        return 0.0
+    if busy_seconds is None:
+        if not os.path.exists("/proc/stat"):
+            return 0.0
+        from minivllm.worker.cpu_threads import proc_stat_busy_seconds
+
+        cpus = list(range(os.cpu_count() or 1))
+        busy_seconds = lambda: proc_stat_busy_seconds(cpus)  # noqa: E731
+    t0 = clock()
+    while True:
+        b0, w0 = busy_seconds(), clock()
+        sleep(QUIET_WINDOW_S)
+        b1, w1 = busy_seconds(), clock()
+        if (b1 - b0) < QUIET_CPUS * max(w1 - w0, 1e-9) or w1 - t0 >= max_s:
+            return w1 - t0
+
+
 def _client():
     import httpx
 
@@ -286,6 +324,7 @@ def run_benchmark(a) -> Dict:
             for rate in a.rates:
                 arrivals = arrival_times(wl.num_requests, rate, a.burstiness, a.seed + rep)
                 for t in targets:
+                    settled = wait_until_quiet(a.settle) if len(targets) > 1 else 0.0
                     before = scrape_preemptions(t["base_url"])
                     load = list(os.getloadavg())
                     outs, dur = asyncio.run(run_load(t["base_url"], t["model"], wl.prompts, wl.max_tokens, arrivals,
@@ -294,7 +333,7 @@ def run_benchmark(a) -> Dict:
                     m = calculate_metrics(outs, dur, a.slos)
                     r = {"target": t["name"], "request_rate": rate, "repeat": rep, "metrics": m.to_json(),
                          "preemptions": None if before is None or after is None else after - before,
-                         "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
+                         "settle_s": round(settled, 2), "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
                          "errors": sorted({o.error for o in outs if not o.success})[:5]}
                     runs.append(r)
                     print(run_line(r), flush=True)
