@@ -9,22 +9,23 @@ process holds one of the CPUs, each region waits for the thread that shares that
 slower with two threads than with one: on the AVX-512 class, 170.4 output tok/s idle fell to 49.3 with two threads
 and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIONS.md``, issue 27).
 
-:class:`CpuThreadGovernor` reads, twice a second at most, how much CPU time the machine's other processes used on
-this process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor
-counts as used) and sets the thread count of the thread that runs the step (``torch.set_num_threads``) to the CPUs
-left, at least one: it gives up a thread when others use half a CPU or more, and takes it back when they leave
-more than 0.7 of it free, so a load near the line does not flip it every reading. A reading covers only time in
-which the engine was stepping: after a pause of more than ``IDLE_GAP_S`` between two steps (``step_done`` marks a
-step's end) it starts again, since what other processes did while the engine sat idle did not compete with a step
-and may be over (``bench serve`` runs two servers by turns: the other one's run put this one on one thread for its
-next burst, whose first tokens then came after 3.6 s instead of 1.8). It is on only when nobody chose
-a thread count: the engine's worker builds one when torch's count at start-up equals the CPUs this process may run
-on (on a machine with SMT, where torch's default is the physical cores, it therefore stays off),
+:class:`CpuThreadGovernor` reads at the end of each step how much CPU time the machine's other processes used on this
+process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor counts as used)
+and, every half second of stepping at most, sets the thread count of the thread that runs the step
+(``torch.set_num_threads``) to the CPUs left, at least one: it gives up a thread when others use half a CPU or more, and
+takes it back when they leave more than 0.7 of it free, so a load near the line does not flip it every reading. It
+counts only time in which the engine was stepping: a pause of more than ``IDLE_GAP_S`` between two steps (``step_done``
+marks a step's end) is left out, and stretches of steps add up to a reading, since what other processes did while the
+engine sat idle did not compete with a step and may be over (``bench serve`` runs two servers by turns: counting the
+other one's run put this one on one thread for its next burst, whose first tokens then came after 3.6 s instead of 1.8).
+What others used during such a pause may only give a thread back (a load that ended while the engine sat idle). It is on
+only when nobody chose a thread count: the engine's worker builds one when torch's count at start-up equals the CPUs
+this process may run on (on a machine with SMT, where torch's default is the physical cores, it therefore stays off),
 ``OMP_NUM_THREADS`` is unset and ``MINIVLLM_CPU_THREADS_AUTO`` is not ``0`` (``python -m minivllm bench --threads N``
-sets it to ``0``). A ``torch.set_num_threads`` of the user's own while an engine with a governor runs is overridden
-at its next reading. minivllm's own kernels give the same bits for any thread count (each output is summed by one
-thread); oneDNN's and MKL's products need not, though SmolLM2's float32 logits were bit-identical with one thread
-and two in every step of a mixed run checked on the AVX-512 class.
+sets it to ``0``). A ``torch.set_num_threads`` of the user's own while an engine with a governor runs is overridden at
+its next reading. minivllm's own kernels give the same bits for any thread count (each output is summed by one thread);
+oneDNN's and MKL's products need not, though SmolLM2's float32 logits were bit-identical with one thread and two in
+every step of a mixed run checked on the AVX-512 class.
 """
 
 from __future__ import annotations
@@ -36,10 +37,13 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-#: Seconds between two readings of the machine's load; a step in between keeps the last decision.
+#: Seconds of stepping between two decisions; a step in between keeps the last decision.
 INTERVAL_S = 0.5
-#: A pause between two steps longer than this (seconds) ends a reading's window: the engine sat idle.
+#: A pause between two steps longer than this (seconds) is idle time: it ends a stretch of stepping.
 IDLE_GAP_S = 0.05
+
+#: One reading: (clock seconds, busy CPU seconds of every process on this process's CPUs, this process's CPU seconds).
+Reading = Tuple[float, float, float]
 
 
 def proc_stat_busy_seconds(cpus: List[int], path: str = "/proc/stat") -> float:
@@ -54,8 +58,10 @@ def proc_stat_busy_seconds(cpus: List[int], path: str = "/proc/stat") -> float:
     busy = 0
     with open(path) as f:
         for line in f:
+            if not line.startswith("cpu"):
+                break  # the per-CPU lines come first; the rest (the long "intr" line) is not needed
             parts = line.split()
-            if parts and parts[0] in wanted:
+            if parts[0] in wanted:
                 values = [int(v) for v in parts[1:9]]  # user nice system idle iowait irq softirq steal
                 busy += sum(values) - values[3] - values[4]
     return busy / ticks
@@ -72,7 +78,7 @@ class CpuThreadGovernor:
 
     Args:
         max_threads: the count when the machine is otherwise idle (the CPUs this process may use).
-        interval_s: seconds between readings.
+        interval_s: seconds of stepping between two decisions.
         clock, busy_seconds, own_seconds: where time and CPU use are read (tests pass their own).
 
     Attributes:
@@ -94,35 +100,68 @@ class CpuThreadGovernor:
         self.max_threads, self.interval_s = max_threads, interval_s
         self._clock, self._own = clock, own_seconds
         self._busy = busy_seconds or (lambda: proc_stat_busy_seconds(cpus))
-        # The first reading is taken at the first step, not now: the time until then (compiling the kernels in a
-        # child process, an idle engine) says nothing about the load the steps will meet.
-        self._last: Optional[Tuple[float, float, float]] = None
-        self._last_step_end: Optional[float] = None
+        # Counting starts at the first step, not now: the time until then (compiling the kernels in a child process,
+        # an idle engine) says nothing about the load the steps will meet.
+        self._stretch: Optional[Reading] = None  # the start of the current stretch of steps
+        self._end: Optional[Reading] = None  # the end of the last step, until the next one starts
+        self._stepping_s = self._others_s = 0.0  # stepping seconds since the last decision, others' CPU seconds in them
+        self._pause_others: Optional[float] = None  # CPUs others used in the pause before this step, if there was one
         self.threads, self.changes = torch.get_num_threads(), 0
         # Give the count back when the engine goes, so that later work in the process gets the machine's default.
         self._finalizer = weakref.finalize(self, torch.set_num_threads, self.threads)
 
+    def _read(self) -> Reading:
+        return self._clock(), self._busy(), self._own()
+
+    @staticmethod
+    def _others_between(a: Reading, b: Reading) -> float:
+        """CPU seconds other processes used on this process's CPUs between readings ``a`` and ``b``."""
+        return max(0.0, (b[1] - a[1]) - (b[2] - a[2]))
+
+    def _count(self, a: Reading, b: Reading) -> None:
+        self._stepping_s += b[0] - a[0]
+        self._others_s += self._others_between(a, b)
+
     def others_cpus(self) -> Optional[float]:
-        """CPUs' worth of time other processes used since the last reading; ``None`` at the first reading, before
-        ``interval_s`` has passed, and after a pause of more than ``IDLE_GAP_S`` since the last ``step_done`` (the
-        reading then starts again from now)."""
+        """CPUs' worth of time other processes used while this engine was stepping, over the last ``interval_s``
+        seconds of stepping; ``None`` until that much has gathered since the last decision, and at the first step
+        (which starts the count).
+
+        Stepping time is made of stretches of steps with pauses of at most ``IDLE_GAP_S`` between them: a longer
+        pause ends a stretch at the last ``step_done`` and the next stretch starts here, so what other processes did
+        while the engine sat idle is not counted as load met by a step, and short bursts of steps add up until a
+        decision is due. What others used in that pause is kept (``_pause_others``) for ``update``, which may only
+        give threads back on it.
+        """
         now = self._clock()
-        idle = self._last_step_end is not None and now - self._last_step_end > IDLE_GAP_S
-        self._last_step_end = None
-        if self._last is not None and now - self._last[0] < self.interval_s and not idle:
+        self._pause_others = None
+        if self._stretch is None:
+            self._stretch, self._end = self._read(), None
             return None
-        busy, own = self._busy(), self._own()
-        last, self._last = self._last, (now, busy, own)
-        if last is None or idle:
+        if self._end is not None and now - self._end[0] > IDLE_GAP_S:
+            self._count(self._stretch, self._end)
+            start = self._read()
+            self._pause_others = self._others_between(self._end, start) / max(start[0] - self._end[0], 1e-9)
+            self._stretch = start
+        self._end = None
+        if self._stepping_s + (now - self._stretch[0]) < self.interval_s:
             return None
-        then, busy0, own0 = last
-        return max(0.0, (busy - busy0) - (own - own0)) / (now - then)
+        reading = self._read()
+        self._count(self._stretch, reading)
+        self._stretch = reading
+        others = self._others_s / max(self._stepping_s, 1e-9)
+        self._stepping_s = self._others_s = 0.0
+        return others
 
     def update(self) -> int:
         """Read the load when due and set the thread count of the calling thread; returns the count for this step.
 
-        torch's count belongs to the thread that sets it, so it is compared with the caller's own count: a step
-        run from another thread (an async server's) gets the decision too.
+        A decision over ``interval_s`` of stepping may lower the count or raise it. After a pause, what other
+        processes used during it may raise the count (a load that ended while the engine sat idle), never lower it
+        (a load that came and went in the pause, such as another server's run, must not cost the next burst a
+        thread; a load that goes on is counted once the steps have met it for ``interval_s``). torch's count
+        belongs to the thread that sets it, so it is compared with the caller's own count: a step run from another
+        thread (an async server's) gets the decision too.
         """
         others = self.others_cpus()
         current = torch.get_num_threads()
@@ -132,17 +171,22 @@ class CpuThreadGovernor:
             higher = max(1, self.max_threads - int(others + 0.7))  # a thread comes back only with 0.7 CPU free
             target = lower if lower < current else max(current, higher)
             self.threads = target
-        elif current != self.threads:
-            target = self.threads  # the decision in force, for a thread that has not had it yet
+        else:
+            if current != self.threads:
+                target = self.threads  # the decision in force, for a thread that has not had it yet
+            if self._pause_others is not None:
+                target = max(target, max(1, self.max_threads - int(self._pause_others + 0.7)))
+                self.threads = target
         if target != current:
             torch.set_num_threads(target)
             self.changes += 1
         return target
 
     def step_done(self) -> None:
-        """Mark the end of a step (a clock reading, no ``/proc/stat``): the pause until the next ``update`` tells
-        whether the engine sat idle in between."""
-        self._last_step_end = self._clock()
+        """Mark the end of a step with a reading (``/proc/stat``: 20-40 us on a 2-core EPYC, against steps of 15 ms
+        and more): the pause until the next ``update`` tells whether the engine sat idle in between, and the reading
+        then ends the stretch of steps."""
+        self._end = self._read()
 
     def close(self) -> None:
         """Give torch its count from before (also done when the governor is collected)."""

@@ -109,6 +109,35 @@ def test_short_pauses_between_steps_are_part_of_the_window(restore_threads):
     assert g.threads == 1 and g.changes == 1
 
 
+def test_short_bursts_of_steps_add_up_to_a_reading(restore_threads):
+    """A server at a low rate: bursts of 10 steps of 40 ms, 1 s idle between, beside a job that keeps a CPU busy
+    all along. The bursts' stepping time adds up, so the load is met and counted within two bursts."""
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    for burst in range(3):
+        for _ in range(10):
+            g.update()
+            m.run(0.04, ours=1.5, others=1.0)
+            g.step_done()
+        m.run(1.0, ours=0.0, others=1.0)
+        if burst >= 1:
+            assert g.threads == 1
+    assert g.changes == 1
+
+
+def test_a_load_that_ended_in_a_pause_gives_the_thread_back_at_once(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(1.0, ours=1.0, others=1.0)
+    assert g.update() == 1
+    m.run(0.1, ours=1.0, others=1.0)
+    g.step_done()
+    m.run(3.0, ours=0.0, others=0.05)  # the other job ended while the engine sat idle
+    assert g.update() == 2 and g.changes == 2
+
+
 def test_a_step_from_another_thread_gets_the_decision(restore_threads):
     """torch's thread count is per thread: a step run from another thread (an async server's) is set too."""
     import threading
@@ -197,12 +226,16 @@ def test_the_worker_steps_through_the_governor(monkeypatch, restore_threads):
     from minivllm.engine.llm_engine import LLMEngine
     from minivllm.sampling_params import SamplingParams
 
-    calls = []
+    calls, ends = [], []
 
     class Recording(CpuThreadGovernor):
         def update(self):
             calls.append(torch.get_num_threads())
             return super().update()
+
+        def step_done(self):
+            ends.append(len(calls))
+            super().step_done()
 
     monkeypatch.setattr(cpu_threads, "governor_for_this_process", lambda: Recording(2))
     torch.set_num_threads(2)
@@ -215,6 +248,7 @@ def test_the_worker_steps_through_the_governor(monkeypatch, restore_threads):
         engine.step()
         steps += 1
     assert len(calls) == steps == 3
+    assert ends == [1, 2, 3]  # each step's end is marked once, after its own update
     torch.set_num_threads(1)  # what a governor might have left
     engine.shutdown()
     assert worker.cpu_threads is None and torch.get_num_threads() == 2
