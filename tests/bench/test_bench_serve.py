@@ -128,11 +128,14 @@ def test_wait_until_quiet_waits_for_a_quiet_window_or_the_limit():
             self.busy += (self.loads.pop(0) if self.loads else 0.0) * s
 
     m = Machine([1.5, 0.4, 0.1])  # the last run's server still finishing, then quiet
-    waited = wait_until_quiet(10.0, lambda: m.busy, lambda: m.now, m.sleep)
-    assert waited == pytest.approx(3 * QUIET_WINDOW_S)
-    m = Machine([2.0] * 100)  # another job that does not stop: give up at the limit
-    assert wait_until_quiet(2.0, lambda: m.busy, lambda: m.now, m.sleep) == pytest.approx(2.0)
-    assert wait_until_quiet(0.0, lambda: 1 / 0) == 0.0  # 0: no wait, nothing read
+    waited, quiet = wait_until_quiet(10.0, lambda: m.busy, lambda: m.now, m.sleep)
+    assert waited == pytest.approx(3 * QUIET_WINDOW_S) and quiet
+    m = Machine([2.0] * 100)  # another job that does not stop: give up at the limit, and say so
+    waited, quiet = wait_until_quiet(1.2, lambda: m.busy, lambda: m.now, m.sleep)
+    assert waited == pytest.approx(1.2) and not quiet  # windows of 0.5, 0.5 and the 0.2 left
+    waited, quiet = wait_until_quiet(0.2, lambda: m.busy, lambda: m.now, m.sleep)
+    assert waited == pytest.approx(0.2) and not quiet  # never past the limit
+    assert wait_until_quiet(0.0, lambda: 1 / 0) == (0.0, False)  # 0: no wait, nothing read
     from minivllm.bench.serve.cli import build_parser, check_args
 
     for bad in ("-1", "nan", "inf"):

@@ -121,31 +121,35 @@ def check_args(a) -> None:
 # ---- one run ---------------------------------------------------------------------------------------------------
 def wait_until_quiet(max_s: float, busy_seconds: Optional[Callable[[], float]] = None,
                      clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
-    """Wait until the machine's CPUs were busy less than ``QUIET_CPUS`` over a window of ``QUIET_WINDOW_S``
-    seconds, at most about ``max_s`` seconds; returns the seconds waited.
+    """Wait until this process's CPUs were busy less than ``QUIET_CPUS`` over a window of ``QUIET_WINDOW_S``
+    seconds (a shorter last window when ``max_s`` ends first), at most ``max_s`` seconds; returns ``(seconds waited,
+    whether the CPUs were quiet)``.
 
     Why: a server does not stop using the CPUs with its last response. After vLLM 0.32's CPU server answered a
     burst of 8 requests, a two-core AMD EPYC's CPUs were busy 0.41 CPUs on average over the next 2.5 s, then
     0.00-0.02; the run after it, another target's, would meet that as contention.
-    ``busy_seconds``: CPU seconds not idle on every CPU (default ``/proc/stat``); without ``/proc/stat`` this
-    returns 0 at once.
+    ``busy_seconds``: CPU seconds not idle on the CPUs this process may run on, where the servers it started run
+    too (default ``/proc/stat``); without ``/proc/stat`` this returns ``(0.0, False)`` at once, as for ``max_s <= 0``.
     """
     if max_s <= 0:
-        return 0.0
+        return 0.0, False
     if busy_seconds is None:
         if not os.path.exists("/proc/stat"):
-            return 0.0
+            return 0.0, False
         from minivllm.worker.cpu_threads import proc_stat_busy_seconds
 
-        cpus = list(range(os.cpu_count() or 1))
+        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
         busy_seconds = lambda: proc_stat_busy_seconds(cpus)  # noqa: E731
     t0 = clock()
     while True:
         b0, w0 = busy_seconds(), clock()
-        sleep(QUIET_WINDOW_S)
+        left = max_s - (w0 - t0)
+        if left < 0.01:  # a window shorter than a clock tick of /proc/stat could read anything
+            return w0 - t0, False
+        sleep(min(QUIET_WINDOW_S, left))
         b1, w1 = busy_seconds(), clock()
-        if (b1 - b0) < QUIET_CPUS * max(w1 - w0, 1e-9) or w1 - t0 >= max_s:
-            return w1 - t0
+        if (b1 - b0) < QUIET_CPUS * (w1 - w0):
+            return w1 - t0, True
 
 
 def _client():
@@ -324,7 +328,10 @@ def run_benchmark(a) -> Dict:
             for rate in a.rates:
                 arrivals = arrival_times(wl.num_requests, rate, a.burstiness, a.seed + rep)
                 for t in targets:
-                    settled = wait_until_quiet(a.settle) if len(targets) > 1 else 0.0
+                    settled, quiet = wait_until_quiet(a.settle) if len(targets) > 1 else (0.0, None)
+                    if quiet is False:
+                        print(f"    the CPUs were still busy after --settle {a.settle:g} s: {t['name']}'s run starts "
+                              "anyway", flush=True)
                     before = scrape_preemptions(t["base_url"])
                     load = list(os.getloadavg())
                     outs, dur = asyncio.run(run_load(t["base_url"], t["model"], wl.prompts, wl.max_tokens, arrivals,
@@ -333,7 +340,7 @@ def run_benchmark(a) -> Dict:
                     m = calculate_metrics(outs, dur, a.slos)
                     r = {"target": t["name"], "request_rate": rate, "repeat": rep, "metrics": m.to_json(),
                          "preemptions": None if before is None or after is None else after - before,
-                         "settle_s": round(settled, 2), "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
+                         "settle_s": round(settled, 2), "settled_quiet": quiet, "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
                          "errors": sorted({o.error for o in outs if not o.success})[:5]}
                     runs.append(r)
                     print(run_line(r), flush=True)

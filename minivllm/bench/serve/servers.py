@@ -130,7 +130,9 @@ def vllm_server(python: str, model_dir: str, port: int, dtype: str, served_model
     """``vllm serve model_dir`` in interpreter ``python`` (vLLM's CPU build), prefix caching off.
 
     ``threads``: ``VLLM_CPU_OMP_THREADS_BIND=0-{threads-1}`` (vLLM's CPU worker binds its OpenMP threads to these
-    cores); ``None``: vLLM's ``auto`` (on two cores: the engine on core 0, core 1 left to the API server).
+    cores); ``None``: vLLM's ``auto`` (on two cores: the model worker's OpenMP threads bound to core 0, core 1 left to
+    vLLM's other processes, its engine core's scheduler and the API server: ``reserve_cpu_num``,
+    ``vllm/utils/ompmultiprocessing.py``).
     ``extra_args``: more ``vllm serve`` arguments. Stats logging stays on: with ``--disable-log-stats`` vLLM's
     ``/metrics`` has no ``vllm:num_preemptions_total`` for the sweep to read. ``kv_cache_space_gib``: ``VLLM_CPU_KVCACHE_SPACE``.
     """
