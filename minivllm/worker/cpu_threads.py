@@ -23,7 +23,7 @@ only when nobody chose a thread count: the engine's worker builds one when torch
 this process may run on (on a machine with SMT, where torch's default is the physical cores, it therefore stays off),
 ``OMP_NUM_THREADS`` is unset and ``MINIVLLM_CPU_THREADS_AUTO`` is not ``0`` (``python -m minivllm bench --threads N``
 sets it to ``0``). A ``torch.set_num_threads`` of the user's own while an engine with a governor runs is overridden at
-its next reading. minivllm's own kernels give the same bits for any thread count (each output is summed by one thread);
+its next step. minivllm's own kernels give the same bits for any thread count (each output is summed by one thread);
 oneDNN's and MKL's products need not, though SmolLM2's float32 logits were bit-identical with one thread and two in
 every step of a mixed run checked on the AVX-512 class.
 """
@@ -74,7 +74,8 @@ def own_cpu_seconds() -> float:
 
 
 class CpuThreadGovernor:
-    """Sets torch's thread count, once per step at most every ``interval_s``, to the CPUs other processes leave.
+    """Sets torch's thread count before each step to the CPUs other processes leave, as decided after every
+    ``interval_s`` of stepping (and, after a pause, possibly raised: ``update``).
 
     Args:
         max_threads: the count when the machine is otherwise idle (the CPUs this process may use).
@@ -115,23 +116,31 @@ class CpuThreadGovernor:
 
     @staticmethod
     def _others_between(a: Reading, b: Reading) -> float:
-        """CPU seconds other processes used on this process's CPUs between readings ``a`` and ``b``."""
-        return max(0.0, (b[1] - a[1]) - (b[2] - a[2]))
+        """CPU seconds other processes used on this process's CPUs between readings ``a`` and ``b``, signed: the
+        clock-tick rounding of ``/proc/stat`` can make one stretch read below zero, and clamping each stretch would
+        only ever add to the sum (the sum is clamped where it is used)."""
+        return (b[1] - a[1]) - (b[2] - a[2])
 
     def _count(self, a: Reading, b: Reading) -> None:
         self._stepping_s += b[0] - a[0]
         self._others_s += self._others_between(a, b)
 
+    def _higher(self, others: float) -> int:
+        """The count when ``others`` CPUs are used by other processes, for giving a thread back: only with 0.7 of a
+        CPU free, so that a load near the line does not flip the count."""
+        return max(1, self.max_threads - int(max(others, 0.0) + 0.7))
+
     def others_cpus(self) -> Optional[float]:
-        """CPUs' worth of time other processes used while this engine was stepping, over the last ``interval_s``
-        seconds of stepping; ``None`` until that much has gathered since the last decision, and at the first step
-        (which starts the count).
+        """CPUs' worth of time other processes used while this engine was stepping, over the stepping time since
+        the last decision, once that reaches ``interval_s`` (one long step can make it longer); ``None`` before, and
+        at the first step (which starts the count).
 
         Stepping time is made of stretches of steps with pauses of at most ``IDLE_GAP_S`` between them: a longer
         pause ends a stretch at the last ``step_done`` and the next stretch starts here, so what other processes did
         while the engine sat idle is not counted as load met by a step, and short bursts of steps add up until a
         decision is due. What others used in that pause is kept (``_pause_others``) for ``update``, which may only
-        give threads back on it.
+        give threads back on it; when it does, the stretches before the pause are dropped, as the load they met has
+        gone.
         """
         now = self._clock()
         self._pause_others = None
@@ -139,9 +148,12 @@ class CpuThreadGovernor:
             self._stretch, self._end = self._read(), None
             return None
         if self._end is not None and now - self._end[0] > IDLE_GAP_S:
-            self._count(self._stretch, self._end)
             start = self._read()
-            self._pause_others = self._others_between(self._end, start) / max(start[0] - self._end[0], 1e-9)
+            self._pause_others = max(0.0, self._others_between(self._end, start)) / max(start[0] - self._end[0], 1e-9)
+            if self._higher(self._pause_others) > self.threads:
+                self._stepping_s = self._others_s = 0.0
+            else:
+                self._count(self._stretch, self._end)
             self._stretch = start
         self._end = None
         if self._stepping_s + (now - self._stretch[0]) < self.interval_s:
@@ -149,7 +161,7 @@ class CpuThreadGovernor:
         reading = self._read()
         self._count(self._stretch, reading)
         self._stretch = reading
-        others = self._others_s / max(self._stepping_s, 1e-9)
+        others = max(0.0, self._others_s) / max(self._stepping_s, 1e-9)
         self._stepping_s = self._others_s = 0.0
         return others
 
@@ -160,23 +172,18 @@ class CpuThreadGovernor:
         processes used during it may raise the count (a load that ended while the engine sat idle), never lower it
         (a load that came and went in the pause, such as another server's run, must not cost the next burst a
         thread; a load that goes on is counted once the steps have met it for ``interval_s``). torch's count
-        belongs to the thread that sets it, so it is compared with the caller's own count: a step run from another
-        thread (an async server's) gets the decision too.
+        belongs to the thread that sets it: a step run from another thread (an async server's) is given the count
+        in force too.
         """
         others = self.others_cpus()
         current = torch.get_num_threads()
-        target = current
+        target = self.threads
         if others is not None:
             lower = max(1, self.max_threads - int(others + 0.5))  # half a CPU used by others counts as taken
-            higher = max(1, self.max_threads - int(others + 0.7))  # a thread comes back only with 0.7 CPU free
-            target = lower if lower < current else max(current, higher)
-            self.threads = target
-        else:
-            if current != self.threads:
-                target = self.threads  # the decision in force, for a thread that has not had it yet
-            if self._pause_others is not None:
-                target = max(target, max(1, self.max_threads - int(self._pause_others + 0.7)))
-                self.threads = target
+            target = lower if lower < target else max(target, self._higher(others))
+        if self._pause_others is not None:
+            target = max(target, self._higher(self._pause_others))
+        self.threads = target
         if target != current:
             torch.set_num_threads(target)
             self.changes += 1

@@ -138,6 +138,69 @@ def test_a_load_that_ended_in_a_pause_gives_the_thread_back_at_once(restore_thre
     assert g.update() == 2 and g.changes == 2
 
 
+def test_a_decision_due_after_a_pause_still_hears_the_pause(restore_threads):
+    """0.52 s of steps beside a lasting load, then a pause in which the load ended: the decision that falls due at
+    the next step must not take a thread for a load that has gone."""
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(0.52, ours=1.5, others=1.0)
+    g.step_done()
+    m.run(3.0, ours=0.0, others=0.0)
+    assert g.update() == 2 and g.changes == 0
+
+
+def test_steps_before_a_pause_that_gave_a_thread_back_are_dropped(restore_threads):
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(0.6, ours=1.0, others=1.0)
+    assert g.update() == 1
+    m.run(0.32, ours=1.0, others=1.0)  # more steps beside the load, not yet a decision
+    g.step_done()
+    m.run(2.0, ours=0.0, others=0.0)  # the load ends in a pause: the thread comes back
+    assert g.update() == 2
+    m.run(0.2, ours=2.0, others=0.0)  # with the 0.32 s before the pause, the load would read 0.6 CPU: 1 thread again
+    g.step_done()
+    assert g.update() == 2 and g.changes == 2
+
+
+def test_a_pause_longer_than_the_idle_gap_is_left_out(restore_threads):
+    """A pause of 0.2 s (over IDLE_GAP_S, under a reading's interval) while another job used both CPUs."""
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    m.run(0.3, ours=2.0, others=0.0)
+    g.step_done()
+    m.run(0.2, ours=0.0, others=2.0)
+    assert g.update() == 2
+    m.run(0.3, ours=2.0, others=0.0)
+    g.step_done()
+    m.run(0.01, ours=0.0, others=0.0)
+    assert g.update() == 2 and g.changes == 0
+
+
+def test_a_thread_started_before_the_decision_gets_it(restore_threads):
+    import threading
+
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    go, seen = threading.Event(), []
+
+    def step():
+        go.wait()
+        seen.append((g.update(), torch.get_num_threads()))
+
+    worker = threading.Thread(target=step)
+    worker.start()
+    m.run(1.0, ours=1.0, others=1.0)
+    assert g.update() == 1
+    go.set()
+    worker.join()
+    assert seen == [(1, 1)]
+
+
 def test_a_step_from_another_thread_gets_the_decision(restore_threads):
     """torch's thread count is per thread: a step run from another thread (an async server's) is set too."""
     import threading
