@@ -135,7 +135,7 @@ def test_wait_until_quiet_waits_for_a_quiet_window_or_the_limit():
     assert waited == pytest.approx(1.2) and not quiet  # windows of 0.5, 0.5 and the 0.2 left
     waited, quiet = wait_until_quiet(0.2, lambda: m.busy, lambda: m.now, m.sleep)
     assert waited == pytest.approx(0.2) and not quiet  # never past the limit
-    assert wait_until_quiet(0.0, lambda: 1 / 0) == (0.0, False)  # 0: no wait, nothing read
+    assert wait_until_quiet(0.0, lambda: 1 / 0) == (0.0, None)  # 0: no wait, nothing read
     from minivllm.bench.serve.cli import build_parser, check_args
 
     for bad in ("-1", "nan", "inf"):

@@ -1,14 +1,14 @@
 """``python -m minivllm bench serve``: the same open-loop load against one or more OpenAI-compatible servers.
 
-Targets: ``--base-url`` (any server already running), minivllm's own server started here (unless ``--no-minivllm``)
-and, with ``--vllm-python``, ``vllm serve`` started here from vLLM's CPU build on the same weights. The requests
-are the benchmark's seeded random prompts (``minivllm.bench.workload.random_workload``: prompt token ids, greedy,
-``ignore_eos``), sent at the times ``arrivals.arrival_times`` draws for each ``--request-rate``; every target gets
-the same requests at the same times. Runs are interleaved (repeat, then rate, then target) so that a change in
-the machine's load during the run affects every target alike, and with two targets or more each run first waits
-(``--settle``) until the machine is quiet, so that the last run's server, still finishing, does not share the CPUs
-with the next one's. Prints one line per run and a summary with the
-spread over ``--repeats``; writes every run to JSON and a latency-against-rate plot next to it.
+Targets: ``--base-url`` (any server already running), minivllm's own server started here (unless ``--no-minivllm``) and,
+with ``--vllm-python``, ``vllm serve`` started here from vLLM's CPU build on the same weights. The requests are the
+benchmark's seeded random prompts (``minivllm.bench.workload.random_workload``: prompt token ids, greedy,
+``ignore_eos``), sent at the times ``arrivals.arrival_times`` draws for each ``--request-rate``; every target gets the
+same requests at the same times. Runs are interleaved (repeat, then rate, then target) so that a change in the machine's
+load during the run affects every target alike, and with two targets or more each run first waits (``--settle``) until
+the machine is quiet, so that the last run's server, still finishing, does not share the CPUs with the next one's.
+Prints one line per run and a summary with the spread over ``--repeats``; writes every run to JSON and a
+latency-against-rate plot next to it.
 """
 
 from __future__ import annotations
@@ -120,22 +120,23 @@ def check_args(a) -> None:
 
 # ---- one run ---------------------------------------------------------------------------------------------------
 def wait_until_quiet(max_s: float, busy_seconds: Optional[Callable[[], float]] = None,
-                     clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> float:
+                     clock: Callable[[], float] = time.monotonic,
+                     sleep: Callable[[float], None] = time.sleep) -> Tuple[float, Optional[bool]]:
     """Wait until this process's CPUs were busy less than ``QUIET_CPUS`` over a window of ``QUIET_WINDOW_S``
     seconds (a shorter last window when ``max_s`` ends first), at most ``max_s`` seconds; returns ``(seconds waited,
-    whether the CPUs were quiet)``.
+    whether the CPUs were quiet)``, the second ``None`` when nothing was checked.
 
     Why: a server does not stop using the CPUs with its last response. After vLLM 0.32's CPU server answered a
     burst of 8 requests, a two-core AMD EPYC's CPUs were busy 0.41 CPUs on average over the next 2.5 s, then
     0.00-0.02; the run after it, another target's, would meet that as contention.
     ``busy_seconds``: CPU seconds not idle on the CPUs this process may run on, where the servers it started run
-    too (default ``/proc/stat``); without ``/proc/stat`` this returns ``(0.0, False)`` at once, as for ``max_s <= 0``.
+    too (default ``/proc/stat``); without ``/proc/stat`` this returns ``(0.0, None)`` at once, as for ``max_s <= 0``.
     """
     if max_s <= 0:
-        return 0.0, False
+        return 0.0, None
     if busy_seconds is None:
         if not os.path.exists("/proc/stat"):
-            return 0.0, False
+            return 0.0, None
         from minivllm.worker.cpu_threads import proc_stat_busy_seconds
 
         cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -340,7 +341,8 @@ def run_benchmark(a) -> Dict:
                     m = calculate_metrics(outs, dur, a.slos)
                     r = {"target": t["name"], "request_rate": rate, "repeat": rep, "metrics": m.to_json(),
                          "preemptions": None if before is None or after is None else after - before,
-                         "settle_s": round(settled, 2), "settled_quiet": quiet, "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
+                         "settle_s": round(settled, 2), "settled_quiet": quiet,
+                         "loadavg_before": load, "loadavg_after": list(os.getloadavg()),
                          "errors": sorted({o.error for o in outs if not o.success})[:5]}
                     runs.append(r)
                     print(run_line(r), flush=True)
