@@ -67,6 +67,13 @@ def proc_stat_busy_seconds(cpus: List[int], path: str = "/proc/stat") -> float:
     return busy / ticks
 
 
+def process_cpus() -> List[int]:
+    """The CPUs this process may run on (its affinity mask; every CPU where the OS has none to report)."""
+    if hasattr(os, "sched_getaffinity"):
+        return sorted(os.sched_getaffinity(0))
+    return list(range(os.cpu_count() or 1))
+
+
 def own_cpu_seconds() -> float:
     """CPU seconds this process has used, all its threads (``os.times``)."""
     t = os.times()
@@ -97,7 +104,7 @@ class CpuThreadGovernor:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(max_threads))
+        cpus = process_cpus()
         self.max_threads, self.interval_s = max_threads, interval_s
         self._clock, self._own = clock, own_seconds
         self._busy = busy_seconds or (lambda: proc_stat_busy_seconds(cpus))

@@ -137,9 +137,9 @@ def wait_until_quiet(max_s: float, busy_seconds: Optional[Callable[[], float]] =
     if busy_seconds is None:
         if not os.path.exists("/proc/stat"):
             return 0.0, None
-        from minivllm.worker.cpu_threads import proc_stat_busy_seconds
+        from minivllm.worker.cpu_threads import proc_stat_busy_seconds, process_cpus
 
-        cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+        cpus = process_cpus()
         busy_seconds = lambda: proc_stat_busy_seconds(cpus)  # noqa: E731
     t0 = clock()
     while True:
