@@ -11,10 +11,12 @@ Eight operators, each replacing one or several PyTorch operators of one decoder 
 * ``fused_add_rms_norm`` and ``rms_norm``: the residual add and RMSNorm in one pass (``csrc/layernorm.cpp``).
 * ``silu_and_mul``: SwiGLU's ``silu(gate) * up`` in one pass (``csrc/activation.cpp``).
 * ``rotary_embedding``: RoPE on the q and k heads of the fused qkv output, in place (``csrc/pos_encoding.cpp``).
-* ``skinny_gemm``: a float32 linear layer for one row of activations, the batch-1 decode's matrix-vector products,
-  with the output rows split across the threads (``csrc/skinny_gemm.cpp``).
-* ``packed_gemm``: a float32 linear layer for 2 rows and more, register tiles over a weight packed once into column
-  panels by ``pack_gemm_weight`` (``csrc/packed_gemm.cpp``; ``packed_gemm_available()``).
+* ``packed_gemm``: a float32 linear layer, register tiles over a weight packed once into column panels by
+  ``pack_gemm_weight`` (``csrc/packed_gemm.cpp``; ``packed_gemm_available()``: a CPU with AVX2 and FMA); one row,
+  a batch-1 decode step, included. ``unpack_gemm_weight`` gives the weight back from the panels.
+* ``skinny_gemm``: a float32 linear layer for one row of activations on the weight as it is, the output rows split
+  across the threads (``csrc/skinny_gemm.cpp``): the batch-1 decode's matrix-vector products where ``packed_gemm``
+  is not built.
 
 They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
@@ -301,11 +303,25 @@ def pack_gemm_weight(weight: torch.Tensor) -> torch.Tensor:
     return _ops().pack_gemm_weight(weight)
 
 
+def unpack_gemm_weight(packed: torch.Tensor, out_features: int) -> torch.Tensor:
+    """The inverse of ``pack_gemm_weight``: panels ``[ceil(out / w), in, w]`` -> the contiguous ``weight [out, in]``
+    they were packed from, bit for bit (a copy, in PyTorch: no kernel needed, so it also runs where
+    ``packed_gemm_available()`` is False).
+
+    Raises:
+        ValueError: when ``packed`` is not 3-dimensional or its panels hold fewer than ``out_features`` columns.
+    """
+    if packed.dim() != 3 or not 0 <= out_features <= packed.shape[0] * packed.shape[2]:
+        raise ValueError(f"unpack_gemm_weight: packed must be [panels, in, width] holding out_features="
+                         f"{out_features} columns, got shape {tuple(packed.shape)}")
+    return packed.transpose(1, 2).reshape(-1, packed.shape[1])[:out_features].contiguous()
+
+
 def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.Tensor:
     """``x [rows, in] @ weight.T`` -> ``[rows, out_features]`` float32, ``weight`` packed by ``pack_gemm_weight``:
-    the float32 linear layers of 2 rows and more (``csrc/packed_gemm.cpp``), the panels split across the threads.
+    the float32 linear layers, one row or more (``csrc/packed_gemm.cpp``), the panels split across the threads.
     Sums over ``in`` in order with fused multiply-adds: equal to ``F.linear`` within float32 rounding, not bit for
-    bit.
+    bit; a row's result does not depend on the other rows of ``x`` (each row tile sums in the same order).
 
     Raises:
         RuntimeError: (the kernel's check) when a dtype is not float32, ``x``'s rows are not contiguous, its width

@@ -18,8 +18,9 @@ sets one before building an engine gets its value, as in vLLM. Nothing here writ
   be on.
 * ``MINIVLLM_ONEDNN_PACKING`` (default ``1``): ``0`` turns off the packed weights of
   ``minivllm.model.packed_linear``: oneDNN's for bfloat16, and for float32 ``packed_gemm``'s panels (oneDNN's where
-  that kernel is not built); float32's one-row kernel, ``skinny_gemm``, reads the weight itself and stays. Read when
-  a linear layer is built and when a model is loaded or a model runner is built
+  that kernel is not built), and with them the freeing of the float32 weights the panels replace
+  (``packed_linear.Linear.remove_weight``); float32's one row then goes to ``skinny_gemm``, which reads the weight
+  itself. Read when a linear layer is built and when a model is loaded or a model runner is built
   (``LlamaForCausalLM.set_custom_op_dispatch``), never per matmul.
 * ``MINIVLLM_CPU_THREADS_AUTO`` (default ``1``): on the CPU, when nobody chose a thread count (``OMP_NUM_THREADS``
   unset, torch's count equal to the CPUs the process may use), the worker lowers torch's thread count while other

@@ -87,7 +87,7 @@ def _linear(x: Tensor, layer: int) -> Tensor:
 
 attention = _register("attention", _attention, lambda query, key, value, layer: torch.empty_like(query))
 linear = _register("linear", _linear,
-                   lambda x, layer: x.new_empty(x.shape[0], _CONTEXT["linears"][layer].weight.shape[0]))
+                   lambda x, layer: x.new_empty(x.shape[0], _CONTEXT["linears"][layer].out_features))
 
 
 def _linears(model) -> List[torch.nn.Module]:

@@ -4,6 +4,10 @@
 // https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/utils.py#L288); vLLM's CPU build
 // calls oneDNN for every row count instead (dispatch_cpu_unquantized_gemm, same file, L470).
 //
+// Where packed_gemm is built (AVX2 and FMA) one row goes to its panels instead, which stream the weight as fast and
+// let the [out, in] weight be freed (minivllm/model/packed_linear.py, Linear.remove_weight); this kernel serves one
+// row where packed_gemm is not built, or packing is switched off (MINIVLLM_ONEDNN_PACKING=0).
+//
 // At batch 1 a decode step is a chain of matrix-vector products whose time is reading the weights from memory.
 // MKL's sgemm with one row read them at about 12 GB/s with one thread or two, where the machine copies at 30
 // (minivllm/bench/OPTIMISATIONS.md, "Batch 1 on every thread"); here the output rows are split across the threads

@@ -24,7 +24,7 @@ from minivllm.model.layers.linear import MergedColumnParallelLinear, QKVParallel
 from minivllm.model.layers.logits_processor import LogitsProcessor
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding, get_rope
 from minivllm.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.model.packed_linear import PackedWeight
+from minivllm.model.packed_linear import Linear, PackedWeight
 
 # LlamaConfig, RMSNorm and RotaryEmbedding are imported from here by the course's exercises and notebooks.
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
@@ -181,6 +181,18 @@ class LlamaForCausalLM(nn.Module):
             packed = getattr(module, "_packed_weight", None)  # packed_linear.Linear and LogitsProcessor
             if isinstance(packed, PackedWeight):
                 packed.set_float32(float32)
+
+    def remove_packed_weights(self) -> int:
+        """Keep each float32 linear layer's weight as ``packed_gemm``'s panels alone (``Linear.remove_weight``: where
+        the fast path's every call reads the panels; vLLM 0.32's CPU build removes its weights after loading the
+        same way). The model runner calls it when it takes the model, not the loader: until an engine runs it, a
+        model's weights may still be written in place (the course, the tests). The LM head keeps its weight: tied,
+        it is the embedding table (vLLM keeps it too, ``remove_weight=False`` in ``vocab_parallel_embedding.py``).
+
+        Returns:
+            The number of layers whose weight is now removed.
+        """
+        return sum(m.remove_weight() for m in self.modules() if isinstance(m, Linear))
 
     def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
         """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it

@@ -19,8 +19,14 @@ AVX2, ``bench --isa avx2``) and was level with it from 256 to 2048 rows, where M
 EPYC (AVX2, one thread, SmolLM2's 30 layers, weights streamed from memory), oneDNN took 0.64-0.86x MKL's time for
 2-32 rows and 0.92-0.96x for 64-512, and was level at 1024; with AVX-512 it is faster at every size, prefill steps
 of thousands of rows included (``fp32_packed_rows``). One row (a batch-1 decode step, and the LM head of a
-prefill's last token) goes to minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which splits the
-output rows across the threads: MKL's did not get faster with a second thread (``minivllm/bench/OPTIMISATIONS.md``).
+prefill's last token) goes to ``packed_gemm``'s panels too where that kernel is built (a row then sums in the same
+order alone as inside a batch), else to minivllm's own matrix-vector kernel (``custom_ops.skinny_gemm``), which
+splits the output rows across the threads: MKL's did not get faster with a second thread
+(``minivllm/bench/OPTIMISATIONS.md``). Once an engine takes the model, the float32 layers' ``[out, in]`` weights
+are freed and the panels alone kept (``Linear.remove_weight``, called through
+``LlamaForCausalLM.remove_packed_weights`` by the model runner), as vLLM 0.32's CPU build keeps only its packed
+copy (``remove_weight=True``): they were held twice, 425 MB of SmolLM2's 538 MB. The LM head keeps its weight,
+which a tied head shares with the embedding (vLLM keeps it too).
 ``MINIVLLM_CPU_KERNELS_FP32=0`` keeps ``F.linear`` (MKL): the exact reference the course compares bit for bit; the
 kernels' and oneDNN's float32 results differ from it in the last bits.
 Two switches turn packing off, to compare: ``MINIVLLM_ONEDNN_PACKING=0`` (``minivllm.envs``), read when a layer is
@@ -96,7 +102,7 @@ class PackedWeight:
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``linear`` takes the packed path for ``x [N, in]`` and ``weight [out, in]``: same dtype, on the
         CPU, no autograd, packing enabled (``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING``); bfloat16 where oneDNN has
-        native bf16 matmuls; float32 when ``set_float32`` is on and ``N >= 2`` (``packed_gemm``), or, where that
+        native bf16 matmuls; float32 when ``set_float32`` is on (``packed_gemm``, one row included), or, where that
         kernel is not built, ``N`` in ``FP32_PACKED_TOKENS`` (oneDNN)."""
         if not (ENABLED and self.enabled) or x.device.type != "cpu" or x.dim() != 2 or x.dtype != weight.dtype:
             return False
@@ -107,54 +113,147 @@ class PackedWeight:
         if not (x.dtype == torch.float32 and self.float32):
             return False
         if self.gemm:
-            return x.shape[0] >= 2
+            return x.shape[0] >= 1
         return x.shape[0] in FP32_PACKED_TOKENS and torch.backends.mkldnn.is_available()
 
     def skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``linear`` takes the float32 batch-1 kernel (``custom_ops.skinny_gemm``): one row of float32 on
-        the CPU, no autograd, ``set_float32`` on, the weight contiguous (module doc). It reads the weight as it is,
+        the CPU, no autograd, ``set_float32`` on, the weight contiguous, and no packed panels for it (module doc):
+        ``packed_gemm`` takes one row where it is built, or packing is switched off. It reads the weight as it is,
         not a packed copy, so ``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the float32 kernels'
         switch (``MINIVLLM_CPU_KERNELS_FP32``, ``MINIVLLM_CPU_KERNELS``) does."""
         return (self.float32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
                 and x.shape[0] == 1 and x.device.type == "cpu" and weight.is_contiguous()
-                and not torch.is_grad_enabled())
+                and not torch.is_grad_enabled() and not self.usable(x, weight))
 
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the batch-1 kernel when
-        ``skinny``, the packed path when ``usable`` (float32: ``packed_gemm`` where it is built), else
-        ``F.linear``."""
-        if self.skinny(x, weight):
-            out = custom_ops.skinny_gemm(x.contiguous(), weight)  # no autograd here (skinny): no detach needed
-            return out if bias is None else out.add_(bias)
-        if not self.usable(x, weight):
-            return F.linear(x, weight, bias)
+    def panels_usable(self, x: torch.Tensor) -> bool:
+        """Whether ``x`` may be multiplied by ``packed_gemm``'s panels alone, without the weight they came from:
+        what ``usable`` asks of a float32 ``x`` on the ``packed_gemm`` path (``Linear.remove_weight``)."""
+        return (ENABLED and self.enabled and self.gemm and x.dtype == torch.float32 and x.dim() == 2
+                and x.device.type == "cpu" and not torch.is_grad_enabled())
+
+    def pack(self, weight: torch.Tensor, gemm: bool) -> torch.Tensor:
+        """The packed copy of ``weight``, (re)built unless the one held was packed from these very values:
+        ``packed_gemm``'s panels when ``gemm``, else oneDNN's layout."""
         # The version counter sees in-place writes; ``module.to(dtype)`` swaps ``param.data`` instead, which keeps
         # the object and its version: ``_data`` (a view, no copy) tells the storage apart, and holding it keeps its
         # address from being reused by the new one.
-        gemm = x.dtype == torch.float32 and self.gemm
         if (self._ref is None or self._ref() is not weight or self._version != weight._version
                 or self._data.data_ptr() != weight.data_ptr() or self._data.dtype != weight.dtype
                 or self._gemm_packed != gemm):
             w = weight.detach()
             self._packed = (custom_ops.pack_gemm_weight(w.contiguous()) if gemm
                             else torch.ops.mkldnn._reorder_linear_weight(w, None))
-            self._ref, self._version, self._data, self._gemm_packed = weakref.ref(weight), weight._version, w, gemm
-        if gemm:
-            out = custom_ops.packed_gemm(x.contiguous(), self._packed, weight.shape[0])
+            self.packed_from(weight, gemm)
+        return self._packed
+
+    def packed_from(self, weight: torch.Tensor, gemm: bool) -> None:
+        """Record that the packed copy held holds ``weight``'s present values."""
+        self._ref, self._version, self._data, self._gemm_packed = (weakref.ref(weight), weight._version,
+                                                                    weight.detach(), gemm)
+
+    def forget_source(self) -> None:
+        """Drop the view of the weight kept for the staleness check (it holds the weight's storage alive)."""
+        self._ref = self._data = None
+        self._version = -1
+
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when
+        ``usable`` (float32: ``packed_gemm`` where it is built, one row included), the batch-1 kernel when
+        ``skinny``, else ``F.linear``."""
+        if self.skinny(x, weight):
+            out = custom_ops.skinny_gemm(x.contiguous(), weight)  # no autograd here (skinny): no detach needed
             return out if bias is None else out.add_(bias)
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self._packed, bias, "none", [], "")
+        if not self.usable(x, weight):
+            return F.linear(x, weight, bias)
+        gemm = x.dtype == torch.float32 and self.gemm
+        packed = self.pack(weight, gemm)
+        if gemm:
+            out = custom_ops.packed_gemm(x.contiguous(), packed, weight.shape[0])
+            return out if bias is None else out.add_(bias)
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
 
 
 class Linear(nn.Linear):
-    """``nn.Linear`` whose CPU forward multiplies with a packed copy of the weight in bfloat16, and in float32 for
-    2 rows and more once ``PackedWeight.set_float32`` is on, when one row goes to ``skinny_gemm`` (see module doc).
+    """``nn.Linear`` whose CPU forward multiplies with a packed copy of the weight in bfloat16, and in float32 once
+    ``PackedWeight.set_float32`` is on (see module doc).
 
-    The parameters, ``state_dict`` and every other path are ``nn.Linear``'s.
+    ``remove_weight`` keeps a float32 weight as ``packed_gemm``'s panels alone, as vLLM's CPU build keeps only its
+    packed copy; ``state_dict`` still gives the ``[out, in]`` weight, and the module restores it (bit for bit, from
+    the panels) before any path that needs it: ``F.linear`` (the reference, autograd, packing switched off),
+    ``module.to``/``_apply``, ``load_state_dict``. Every other path is ``nn.Linear``'s.
     """
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._packed_weight = PackedWeight()
+        self.weight_removed = False  # the weight lives only in _packed_weight's panels (remove_weight)
+        self._keep_weight = False  # restored once: a model that also runs the reference keeps both (remove_weight)
+        self.register_state_dict_post_hook(_removed_weight_in_state_dict)
+        self.register_load_state_dict_pre_hook(_restore_before_load)
+
+    def remove_weight(self) -> bool:
+        """Pack the float32 weight into ``packed_gemm``'s panels now and free the ``[out, in]`` tensor, as vLLM
+        0.32's CPU build does after loading (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``,
+        ``vllm/model_executor/layers/linear.py`` L216): the float32 weights were held twice, 425 MB of SmolLM2's
+        (module doc). ``self.weight`` becomes an empty float32 tensor (vLLM: ``torch.empty(0)``).
+
+        Only where the panels serve every call of the fast path: float32 on the CPU, ``set_float32`` on,
+        ``packed_gemm`` built, packing enabled, and not after ``restore_weight`` (a model that also serves an
+        engine on the reference keeps its weight: removing it at every turn would copy it back and forth).
+
+        Returns:
+            Whether the weight is removed (also when it already was).
+        """
+        pw = self._packed_weight
+        if self.weight_removed:
+            return True
+        w = self.weight
+        if (self._keep_weight or not (ENABLED and pw.enabled and pw.gemm) or w.dtype != torch.float32
+                or w.device.type != "cpu" or w.is_meta or w.dim() != 2):
+            return False
+        with torch.no_grad():
+            pw.pack(w, gemm=True)
+        pw.forget_source()
+        w.data = torch.empty(0, dtype=w.dtype)
+        self.weight_removed = True
+        return True
+
+    def restore_weight(self) -> None:
+        """Give ``self.weight`` its ``[out, in]`` values back, unpacked from the panels (bit for bit), and keep it
+        from then on; nothing to do unless ``remove_weight`` removed it."""
+        if not self.weight_removed:
+            return
+        pw = self._packed_weight
+        self.weight.data = custom_ops.unpack_gemm_weight(pw._packed, self.out_features)
+        pw.packed_from(self.weight, gemm=True)  # the panels hold these values: no repacking
+        self.weight_removed, self._keep_weight = False, True
+
+    def _apply(self, fn, recurse=True):
+        self.restore_weight()  # .to(dtype), .to(device), .float(): they must convert the values, not an empty tensor
+        return super()._apply(fn, recurse)
+
+    def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        """``x [N, in] @ weight.T + bias`` -> ``[N, out]`` through ``PackedWeight.linear``, or through the panels
+        alone while the weight is removed (restored first for a path that needs it)."""
+        pw = self._packed_weight
+        if self.weight_removed:
+            if pw.panels_usable(x):
+                out = custom_ops.packed_gemm(x.contiguous(), pw._packed, self.out_features)
+                return out if bias is None else out.add_(bias)
+            self.restore_weight()
+        return pw.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._packed_weight.linear(x, self.weight, self.bias)
+        return self.linear(x, self.bias)
+
+
+def _removed_weight_in_state_dict(module: Linear, state_dict, prefix: str, local_metadata) -> None:
+    """``state_dict`` of a module whose weight is removed: the ``[out, in]`` values, unpacked (a new tensor)."""
+    key = prefix + "weight"
+    if module.weight_removed and key in state_dict:
+        state_dict[key] = custom_ops.unpack_gemm_weight(module._packed_weight._packed, module.out_features)
+
+
+def _restore_before_load(module: Linear, *args, **kwargs) -> None:
+    module.restore_weight()  # load_state_dict copies into the [out, in] parameter

@@ -154,6 +154,7 @@ class ModelRunnerBase:
         # The norms, SwiGLU and RoPE too (CustomOp): chosen here once, re-applied if another runner changed them.
         self.custom_op_dispatch = (self.device.type, custom_ops.use_cpu_kernels(self.device, self.dtype))
         self.model.set_custom_op_dispatch(*self.custom_op_dispatch)
+        self.model.remove_packed_weights()  # float32 fast path: the panels alone, as vLLM keeps its packed copy
         self.requests: Dict[str, CachedRequestState] = {}
         self.kv_caches: List[torch.Tensor] = []
         self.graph_runner: Optional[DecodeGraphRunner] = None

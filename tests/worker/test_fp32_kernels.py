@@ -13,7 +13,7 @@ from minivllm.attention.selector import get_attn_backend
 from minivllm.model.custom_op import CustomOp
 from minivllm.model.loader import build_tiny_model
 from minivllm.model import packed_linear
-from minivllm.model.packed_linear import PackedWeight
+from minivllm.model.packed_linear import Linear, PackedWeight
 from step_logits import run_keeping_logits
 
 pytestmark = pytest.mark.skipif(not custom_ops.load(), reason="the CPU kernels cannot be built here")
@@ -88,7 +88,7 @@ def test_logits_agree_to_float32_rounding_and_tokens_are_equal(monkeypatch):
     assert tokens_on == tokens_off
 
 
-def test_float32_packing_from_two_rows():
+def test_float32_packing_from_one_row_where_packed_gemm_is_built():
     pw = PackedWeight()
     w = torch.randn(96, 64)
     with torch.no_grad():
@@ -96,9 +96,10 @@ def test_float32_packing_from_two_rows():
         pw.set_float32(True)
         assert pw.gemm == custom_ops.packed_gemm_available()
         rows = (1, 2, 64, 1024, 1025, 2048)
-        # packed_gemm from 2 rows where it is built; else oneDNN for FP32_PACKED_TOKENS rows
-        expect = [n >= 2 if pw.gemm else n in packed_linear.FP32_PACKED_TOKENS for n in rows]
+        # packed_gemm from one row where it is built; else oneDNN for FP32_PACKED_TOKENS rows, one row on skinny_gemm
+        expect = [True if pw.gemm else n in packed_linear.FP32_PACKED_TOKENS for n in rows]
         assert [pw.usable(torch.randn(n, 64), w) for n in rows] == expect
+        assert pw.skinny(torch.randn(1, 64), w) == (not pw.gemm)
         assert not pw.usable(torch.randn(16, 64, dtype=torch.float64), w.double())
         x = torch.randn(16, 64)
         torch.testing.assert_close(pw.linear(x, w), F.linear(x, w), atol=1e-5, rtol=1e-5)
@@ -106,12 +107,13 @@ def test_float32_packing_from_two_rows():
 
 
 @pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
-@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 7), (52, 64), (12, 1536), (1, 5)])
-@pytest.mark.parametrize("rows", [*range(2, 26), 300])
+@pytest.mark.parametrize("out_features,in_features", [(96, 64), (33, 7), (52, 64), (12, 1536), (1, 5), (200, 64)])
+@pytest.mark.parametrize("rows", [*range(1, 26), 300])
 def test_packed_gemm_equals_linear(out_features, in_features, rows):
-    """Every row tile (6 rows with AVX2, 12 with AVX-512, and every shorter last one) and last panels of every kind
-    (panels of 16 columns with AVX2, 32 with AVX-512: 33, 52, 12, 1 and 5 output features end in panels of 1, 4,
-    5, 12 or 20 columns) against a float64 product; x a view with a row stride (a slice of a wider tensor)."""
+    """Every row tile (6 rows with AVX2, 12 with AVX-512, and every shorter last one; one row by two panels at a
+    time) and last panels of every kind (panels of 16 columns with AVX2, 32 with AVX-512: 33, 52, 12, 1, 5 and 200
+    output features end in panels of 1, 4, 5, 8, 12 or 20 columns) against a float64 product; x a view with a row
+    stride (a slice of a wider tensor)."""
     g = torch.Generator().manual_seed(rows + out_features)
     w = torch.randn(out_features, in_features, generator=g)
     wide = torch.randn(rows, in_features + 3, generator=g)
@@ -121,6 +123,24 @@ def test_packed_gemm_equals_linear(out_features, in_features, rows):
     ref = x.double() @ w.double().T
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * in_features ** 0.5, rtol=1e-6)
+
+
+@pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+@pytest.mark.parametrize("threads", [1, 2])
+def test_packed_gemm_one_row_is_the_same_bits_as_inside_a_batch(threads):
+    """A batch-1 step's row (two panels at a time) sums each column in the same order as a row tile of a batch,
+    so a request's products do not depend on what it is batched with."""
+    g = torch.Generator().manual_seed(threads)
+    w, x = torch.randn(200, 576, generator=g), torch.randn(13, 576, generator=g)
+    packed = custom_ops.pack_gemm_weight(w)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        batch = custom_ops.packed_gemm(x, packed, 200)
+        rows = [custom_ops.packed_gemm(x[i : i + 1], packed, 200) for i in range(13)]
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(r, batch[i : i + 1]) for i, r in enumerate(rows))
 
 
 @pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
@@ -174,12 +194,21 @@ def test_smollm2_greedy_tokens_unchanged(monkeypatch, real_llm, count_kernel_cal
     # The three prompts' prefill, one step through every layer, where the float32 prefill kernel is built.
     layers = llm.llm_engine.hf_config.num_hidden_layers
     assert prefills["paged_attention_prefill"] == (layers if custom_ops.prefill_kernel_available(torch.float32) else 0)
-    # One at a time: every decode step is one row, through the batch-1 kernel (skinny_gemm).
-    calls = count_kernel_calls(["skinny_gemm"])
+    # One at a time: every decode step is one row, through packed_gemm's panels where it is built (the layers'
+    # weights are removed: the panels alone), else through the batch-1 kernel (skinny_gemm).
+    calls = count_kernel_calls(["skinny_gemm", "packed_gemm"])
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
     per_step = 4 * llm.llm_engine.hf_config.num_hidden_layers + 1  # qkv, o, gate_up, down per layer; the LM head
     # ... and the prefill's LM head, which reads one row: the prompt's last.
-    assert alone == expected and calls["skinny_gemm"] == sum(per_step * (len(t) - 1) + 1 for t in expected)
+    one_row = sum(per_step * (len(t) - 1) + 1 for t in expected)
+    assert alone == expected
+    if custom_ops.packed_gemm_available():
+        model = llm.llm_engine.model_runner.model
+        assert all(m.weight_removed for m in model.modules() if isinstance(m, Linear))
+        assert calls["skinny_gemm"] == 0
+        assert calls["packed_gemm"] == one_row + len(prompts) * 4 * layers  # and each prefill's layers
+    else:
+        assert calls["skinny_gemm"] == one_row
 
 
 @pytest.mark.skipif(not custom_ops.prefill_kernel_available(torch.float32), reason="no AVX2 and FMA on this CPU")
@@ -245,8 +274,12 @@ def test_two_engines_sharing_a_model_each_keep_their_choice(monkeypatch):
     without the switch gives the reference's exact logits while the other runs the kernels."""
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
     model = build_tiny_model(dtype=torch.float32)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
     on = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    # The fast path's engine keeps the layers' float32 weights as panels alone where packed_gemm is built.
+    assert all(m.weight_removed == custom_ops.packed_gemm_available() for m in linears)
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "0")
     off = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
     ref = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
@@ -267,6 +300,9 @@ def test_two_engines_sharing_a_model_each_keep_their_choice(monkeypatch):
         torch.testing.assert_close(on.model_runner.last_inputs.logits, reference, atol=2e-5, rtol=1e-4)
         on_differs |= not torch.equal(on.model_runner.last_inputs.logits, reference)
     assert on_differs
+    # The reference engine's first step took the weights back, bit for bit, and the model keeps them.
+    assert not any(m.weight_removed for m in linears)
+    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
 
 
 def test_kernels_off_wins_over_the_float32_switch(monkeypatch):
@@ -278,3 +314,43 @@ def test_kernels_off_wins_over_the_float32_switch(monkeypatch):
     assert {m.forward_method_name for m in model.modules() if isinstance(m, CustomOp)} == {"forward_native"}
     assert eng.model_runner.attn_backend.get_name() == "TORCH_SDPA"
     assert not any(p.float32 for p in _packed(model))
+
+
+@pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+def test_a_removed_weight_lives_in_the_panels_and_comes_back_bit_for_bit():
+    """``Linear.remove_weight`` (vLLM's ``remove_weight=True``): the float32 weight is freed and every fast-path call
+    reads the panels; ``state_dict`` still gives the exact weight, and each path that needs the ``[out, in]``
+    tensor (autograd, ``.to``, ``load_state_dict``) gets it back unpacked, bit for bit."""
+    from minivllm.model.packed_linear import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 100, bias=True)  # 100 columns: the last panel is partly zeros
+    layer._packed_weight.set_float32(True)
+    w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
+    assert torch.equal(custom_ops.unpack_gemm_weight(custom_ops.pack_gemm_weight(w), 100), w)
+    with torch.no_grad():
+        assert layer.remove_weight() and layer.weight.numel() == 0
+        for rows in (1, 2, 13):
+            x = torch.randn(rows, 64)
+            torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
+        x = torch.randn(9, 64)
+        assert torch.equal(layer(x)[3:4], layer(x[3:4]))  # one row sums as it does inside a batch
+        assert torch.equal(layer.state_dict()["weight"], w) and layer.weight_removed
+    layer(torch.randn(3, 64))  # autograd on: F.linear, on the restored weight
+    assert not layer.weight_removed and torch.equal(layer.weight.detach(), w)
+    assert not layer.remove_weight()  # restored once, kept from then on
+
+    moved = Linear(64, 100)
+    moved._packed_weight.set_float32(True)
+    moved.weight.data.copy_(w)
+    assert moved.remove_weight()
+    moved.to(torch.bfloat16)
+    assert torch.equal(moved.weight.detach(), w.to(torch.bfloat16))
+
+    loaded = Linear(64, 100)
+    loaded._packed_weight.set_float32(True)
+    assert loaded.remove_weight()
+    loaded.load_state_dict({"weight": w, "bias": b})
+    assert torch.equal(loaded.weight.detach(), w)
+    with pytest.raises(ValueError, match="out_features=101"):
+        custom_ops.unpack_gemm_weight(custom_ops.pack_gemm_weight(w[:33]), 101)

@@ -142,5 +142,5 @@ class RowParallelLinear(Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return super().forward(x)
-        out = tensor_model_parallel_all_reduce(self._packed_weight.linear(x, self.weight))
+        out = tensor_model_parallel_all_reduce(self.linear(x, None))
         return out if self.bias is None else out + self.bias

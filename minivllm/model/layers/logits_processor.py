@@ -18,10 +18,10 @@ class LogitsProcessor(nn.Module):
     by its vocabulary rows and an all-gather joins the slices (vLLM gathers the same way, to every rank on the CPU;
     the padding columns past ``vocab_size`` are cut). In bfloat16 on the CPU (and float32 under
     ``MINIVLLM_CPU_KERNELS_FP32=1``, the default) the head's weight is packed once (``packed_linear``: for oneDNN in
-    bfloat16, for ``packed_gemm`` in float32;
-    in float32 one row, a step that samples one token, goes to ``skinny_gemm`` on the weight itself); the packed
-    copy lives here because a tied head *is* the embedding table, which is never multiplied anywhere else. No
-    scaling or soft cap (Llama uses neither).
+    bfloat16, for ``packed_gemm`` in float32, one row included where it is built); the packed copy lives here
+    because a tied head *is* the embedding table, which is never multiplied anywhere else, and the table itself
+    stays (the embedding reads its rows; vLLM keeps it too, ``remove_weight=False``). No scaling or soft cap (Llama
+    uses neither).
     """
 
     def __init__(self, vocab_size: int) -> None:
