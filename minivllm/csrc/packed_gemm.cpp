@@ -13,8 +13,9 @@
 // row tiles. Per k, a tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused
 // multiply-adds into MR * NR / L accumulator registers: 24 with AVX-512 (12 x 32), 12 with AVX2 (6 x 16, of its 16).
 // One row (a batch-1 decode step) takes two panels at a time: on a 2-core Zen 4, SmolLM2's 30 layers and LM head
-// took 0.83-0.99x skinny_gemm's time that way (AVX-512 and AVX2 builds, one and two threads), 0.86-1.07x one panel
-// at a time (minivllm/bench/OPTIMISATIONS.md, "The float32 weights held once"), so the [out, in] weight can be freed.
+// (random weights) took 0.83-0.99x skinny_gemm's time that way (AVX-512 and AVX2 builds, one and two threads),
+// 0.86-1.07x one panel at a time; on the loaded weights, both on huge pages, 0.91-1.06x (minivllm/bench/
+// OPTIMISATIONS.md, "The float32 weights held once"). So the [out, in] weight can be freed.
 
 #include "ops.h"
 
@@ -24,6 +25,10 @@
 
 #include <algorithm>
 #include <utility>
+
+#if defined(__linux__)
+#include <sys/mman.h>
+#endif
 
 namespace minivllm {
 
@@ -98,6 +103,40 @@ inline void tile_of(int rows, const float* x, int64_t ldx, const float* panel, i
 }  // namespace
 #endif
 
+namespace {
+
+// An uninitialised float32 tensor of `sizes` in memory of its own, asked to be backed by 2 MiB pages (Linux's
+// transparent huge pages, in their default "madvise" mode): a batch-1 decode step streams every panel from memory,
+// and with 4 KiB pages the hardware prefetcher stops at each page's end and the TLB misses every 4 KiB. Measured
+// (minivllm/bench/OPTIMISATIONS.md, "The float32 weights held once"): with panels from PyTorch's allocator (4 KiB
+// pages there) a batch-1 run decoded 28.6 tok/s at one thread, twice, against 32.1-34.6 with skinny_gemm on the
+// loader's weights, which numpy had allocated on huge pages (numpy asks for them for every array of 4 MiB and more).
+// A fresh mapping, advised before it is first written, gets them at the first touch; where the kernel refuses, it
+// stays an ordinary mapping.
+at::Tensor empty_on_huge_pages(at::IntArrayRef sizes, const at::TensorOptions& options) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  constexpr size_t kHuge = size_t(2) << 20;
+  int64_t numel = 1;
+  for (int64_t s : sizes) numel *= s;
+  const size_t bytes = size_t(numel) * sizeof(float);
+  if (bytes >= kHuge) {
+    const size_t rounded = (bytes + kHuge - 1) / kHuge * kHuge;
+    const size_t len = rounded + kHuge;  // room to start at a 2 MiB boundary
+    void* base = mmap(nullptr, len, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (base != MAP_FAILED) {
+      auto* start = reinterpret_cast<char*>((reinterpret_cast<uintptr_t>(base) + kHuge - 1) & ~(kHuge - 1));
+      // Only the whole 2 MiB pages the tensor fills: a huge page under its last bytes would be resident in full.
+      // A refusal (THP "never") leaves 4 KiB pages: still correct.
+      madvise(start, bytes / kHuge * kHuge, MADV_HUGEPAGE);
+      return at::from_blob(start, sizes, [base, len](void*) { munmap(base, len); }, options);
+    }
+  }
+#endif
+  return at::empty(sizes, options);
+}
+
+}  // namespace
+
 bool packed_gemm_available() { return MINIVLLM_FMA_LANES > 0; }
 
 int64_t packed_gemm_panel_width() { return MINIVLLM_FMA_LANES * 2; }
@@ -108,7 +147,7 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
               "pack_gemm_weight: weight must be a contiguous float32 [out_features, in_features]");
   const int64_t N = weight.size(0), K = weight.size(1), nr = packed_gemm_panel_width();
   const int64_t panels = (N + nr - 1) / nr;
-  at::Tensor packed = at::empty({panels, K, nr}, weight.options());
+  at::Tensor packed = empty_on_huge_pages({panels, K, nr}, weight.options());
   const float* w = weight.data_ptr<float>();
   float* p = packed.data_ptr<float>();
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {

@@ -24,7 +24,7 @@ from minivllm.model.layers.linear import MergedColumnParallelLinear, QKVParallel
 from minivllm.model.layers.logits_processor import LogitsProcessor
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding, get_rope
 from minivllm.model.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from minivllm.model.packed_linear import Linear, PackedWeight
+from minivllm.model.packed_linear import Linear, PackedWeight, release_free_memory
 
 # LlamaConfig, RMSNorm and RotaryEmbedding are imported from here by the course's exercises and notebooks.
 __all__ = ["LlamaAttention", "LlamaConfig", "LlamaDecoderLayer", "LlamaForCausalLM", "LlamaMLP", "LlamaModel",
@@ -192,7 +192,10 @@ class LlamaForCausalLM(nn.Module):
         Returns:
             The number of layers whose weight is now removed.
         """
-        return sum(m.remove_weight() for m in self.modules() if isinstance(m, Linear))
+        removed = sum(m.remove_weight() for m in self.modules() if isinstance(m, Linear))
+        if removed:
+            release_free_memory()
+        return removed
 
     def set_attention_backend(self, backend: Type[AttentionBackend]) -> None:
         """Give every attention layer an implementation of ``backend`` (the model runner does, with the backend it

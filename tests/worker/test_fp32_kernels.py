@@ -4,6 +4,8 @@
 These tests check that the switch reaches every layer, changes numbers only in the last bits, and keeps SmolLM2's
 greedy tokens, batched and at batch 1."""
 
+import sys
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -354,3 +356,26 @@ def test_a_removed_weight_lives_in_the_panels_and_comes_back_bit_for_bit():
     assert torch.equal(loaded.weight.detach(), w)
     with pytest.raises(ValueError, match="out_features=101"):
         custom_ops.unpack_gemm_weight(custom_ops.pack_gemm_weight(w[:33]), 101)
+
+
+@pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="huge pages are asked of Linux")
+def test_panels_of_two_mib_and_more_start_on_a_huge_page_and_are_unmapped_when_dropped():
+    """The panels a batch-1 step streams live in a mapping of their own, starting at a 2 MiB boundary and advised
+    for huge pages (``csrc/packed_gemm.cpp``); smaller ones come from PyTorch's allocator. Dropping them unmaps
+    them: packing a 7 MB weight 100 times leaves the resident memory where it was."""
+
+    def rss_mib():
+        return int(next(line for line in open("/proc/self/status") if line.startswith("VmRSS")).split()[1]) // 1024
+
+    w = torch.randn(3072, 576)
+    x = torch.randn(3, 576)
+    packed = custom_ops.pack_gemm_weight(w)
+    assert packed.data_ptr() % (2 << 20) == 0
+    torch.testing.assert_close(custom_ops.packed_gemm(x, packed, 3072), x @ w.T, atol=1e-4, rtol=1e-5)
+    assert torch.equal(custom_ops.unpack_gemm_weight(packed.clone(), 3072), w)
+    before = rss_mib()
+    for _ in range(100):
+        packed = custom_ops.pack_gemm_weight(w)
+    del packed
+    assert rss_mib() - before < 32
