@@ -162,7 +162,14 @@ class Worker:
         assert self.model_runner is not None, "load_model() first"
         if self.cpu_threads is not None:
             self.cpu_threads.update()
-        output = self.model_runner.execute_model(scheduler_output)
+        try:
+            output = self.model_runner.execute_model(scheduler_output)
+        except BaseException:
+            # A step that raised has ended too: without the mark, the governor would count the pause after it as
+            # time spent stepping.
+            if self.cpu_threads is not None:
+                self.cpu_threads.step_done()
+            raise
         if output is not None and self.cpu_threads is not None:
             self.cpu_threads.step_done()
         return output
@@ -170,10 +177,11 @@ class Worker:
     def sample_tokens(self, grammar_output: None = None) -> ModelRunnerOutput:
         """Sample the step ``execute_model`` ran (``ModelRunnerBase.sample_tokens``)."""
         assert self.model_runner is not None, "load_model() first"
-        output = self.model_runner.sample_tokens(grammar_output)
-        if self.cpu_threads is not None:
-            self.cpu_threads.step_done()
-        return output
+        try:
+            return self.model_runner.sample_tokens(grammar_output)
+        finally:
+            if self.cpu_threads is not None:
+                self.cpu_threads.step_done()
 
     def shutdown(self) -> None:
         if self.cpu_threads is not None:

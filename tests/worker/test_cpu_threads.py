@@ -315,3 +315,31 @@ def test_the_worker_steps_through_the_governor(monkeypatch, restore_threads):
     torch.set_num_threads(1)  # what a governor might have left
     engine.shutdown()
     assert worker.cpu_threads is None and torch.get_num_threads() == 2
+
+
+@pytest.mark.parametrize("stage", ["execute_model", "sample_tokens"])
+def test_a_step_that_raises_still_marks_its_end(monkeypatch, restore_threads, stage):
+    """A step whose forward pass or sampling raises has ended as well: its end is marked, so that the pause after it
+    is not counted as stepping time."""
+    from minivllm.engine.llm_engine import LLMEngine
+
+    ends = []
+
+    class Recording(CpuThreadGovernor):
+        def step_done(self):
+            ends.append(stage)
+            super().step_done()
+
+    monkeypatch.setattr(cpu_threads, "governor_for_this_process", lambda: Recording(2))
+    torch.set_num_threads(2)
+    engine = LLMEngine("tiny", device="cpu", num_gpu_blocks=32)
+    worker = engine.engine_core.model_executor.driver_worker
+
+    def boom(*args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(worker.model_runner, stage, boom)
+    with pytest.raises(RuntimeError, match="boom"):
+        getattr(worker, stage)(None)
+    assert ends == [stage]
+    engine.shutdown()
