@@ -253,7 +253,7 @@ def release_free_memory() -> bool:
     """Hand the C library's free heap memory back to the system (glibc's ``malloc_trim(0)``); False where there is
     no such call (another C library). The freed ``[out, in]`` weights (numpy's arrays, from the loaders) stay in
     the process's heap otherwise, while the panels live in mappings of their own (``csrc/packed_gemm.cpp``): SmolLM2
-    kept 235 MB that way (resident 1232 MB after a first request, 997 MB once trimmed)."""
+    kept 230 MiB that way (resident 1203 MiB after a first request, 973 MiB once trimmed)."""
     try:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):

@@ -42,7 +42,7 @@ class VocabParallelEmbedding(nn.Embedding):
 
     def reset_parameters(self) -> None:
         # On the meta device (the loaders build there) there is nothing to fill, and ``normal_`` there goes through
-        # torch's reference implementation, whose import of ``torch._dynamo`` cost 1.1 s and 147 MiB of resident
+        # torch's reference implementation, whose import of ``torch._dynamo`` cost 1.1 s and 143 MiB of resident
         # memory (triton's library included) in every process that loads a model, without a number drawn.
         if not self.weight.is_meta:
             super().reset_parameters()
