@@ -180,8 +180,10 @@ class Linear(nn.Linear):
     ``PackedWeight.set_float32`` is on (see module doc).
 
     ``remove_weight`` keeps a float32 weight as ``packed_gemm``'s panels alone, as vLLM's CPU build keeps only its
-    packed copy; ``state_dict`` still gives the ``[out, in]`` weight, and the module restores it (bit for bit, from
-    the panels) before any path that needs it: ``F.linear`` (the reference, autograd, packing switched off),
+    packed copy. The parameter then lives on the meta device, with its shape and dtype (parameter counts and shapes
+    stay right; reading its values fails loudly; an in-place write to it does nothing: ``restore_weight`` first).
+    ``state_dict`` still gives the ``[out, in]`` values, and the module restores them (bit for bit, from the panels)
+    before any path that needs them: ``F.linear`` (the reference, autograd, packing switched off), a conversion by
     ``module.to``/``_apply``, ``load_state_dict``. Every other path is ``nn.Linear``'s.
     """
 
@@ -189,7 +191,7 @@ class Linear(nn.Linear):
         super().__init__(*args, **kwargs)
         self._packed_weight = PackedWeight()
         self.weight_removed = False  # the weight lives only in _packed_weight's panels (remove_weight)
-        self._keep_weight = False  # restored once: a model that also runs the reference keeps both (remove_weight)
+        self._keep_weight = False  # restored for the reference: a model that also runs it keeps both (remove_weight)
         self.register_state_dict_post_hook(_removed_weight_in_state_dict)
         self.register_load_state_dict_pre_hook(_restore_before_load)
 
@@ -197,11 +199,13 @@ class Linear(nn.Linear):
         """Pack the float32 weight into ``packed_gemm``'s panels now and free the ``[out, in]`` tensor, as vLLM
         0.32's CPU build does after loading (``dispatch_cpu_unquantized_gemm(layer, remove_weight=True)``,
         ``vllm/model_executor/layers/linear.py`` L216): the float32 weights were held twice, 425 MB of SmolLM2's
-        (module doc). ``self.weight`` becomes an empty float32 tensor (vLLM: ``torch.empty(0)``).
+        (module doc). ``self.weight`` becomes a meta tensor of its shape (vLLM: an empty ``torch.empty(0)``, whose
+        shape would make every parameter count of the course wrong).
 
         Only where the panels serve every call of the fast path: float32 on the CPU, ``set_float32`` on,
-        ``packed_gemm`` built, packing enabled, and not after ``restore_weight`` (a model that also serves an
-        engine on the reference keeps its weight: removing it at every turn would copy it back and forth).
+        ``packed_gemm`` built, packing enabled, and not once the weight was restored for a call the panels could not
+        serve (a model that also serves an engine on the reference keeps its weight: removing it at every turn would
+        copy it back and forth).
 
         Returns:
             Whether the weight is removed (also when it already was).
@@ -216,23 +220,39 @@ class Linear(nn.Linear):
         with torch.no_grad():
             pw.pack(w, gemm=True)
         pw.forget_source()
-        w.data = torch.empty(0, dtype=w.dtype)
+        # A new parameter: .data cannot change a tensor's device.
+        self.weight = nn.Parameter(torch.empty(w.shape, dtype=w.dtype, device="meta"), requires_grad=w.requires_grad)
         self.weight_removed = True
         return True
 
-    def restore_weight(self) -> None:
-        """Give ``self.weight`` its ``[out, in]`` values back, unpacked from the panels (bit for bit), and keep it
-        from then on; nothing to do unless ``remove_weight`` removed it."""
+    def restore_weight(self, keep: bool = False) -> None:
+        """Give ``self.weight`` its ``[out, in]`` values back, unpacked from the panels (bit for bit); nothing to do
+        unless ``remove_weight`` removed it. ``keep``: never remove it again (``remove_weight``)."""
         if not self.weight_removed:
             return
         pw = self._packed_weight
-        self.weight.data = custom_ops.unpack_gemm_weight(pw._packed, self.out_features)
+        # A normal tensor even when restored inside a step (inference mode): autograd may use it afterwards.
+        with torch.inference_mode(False), torch.no_grad():
+            dense = custom_ops.unpack_gemm_weight(pw._packed, self.out_features)
+        self.weight = nn.Parameter(dense, requires_grad=self.weight.requires_grad)
         pw.packed_from(self.weight, gemm=True)  # the panels hold these values: no repacking
-        self.weight_removed, self._keep_weight = False, True
+        self.weight_removed = False
+        self._keep_weight = self._keep_weight or keep
 
     def _apply(self, fn, recurse=True):
-        self.restore_weight()  # .to(dtype), .to(device), .float(): they must convert the values, not an empty tensor
-        return super()._apply(fn, recurse)
+        if not self.weight_removed:
+            return super()._apply(fn, recurse)
+        probe = torch.empty(0)
+        if fn(probe) is not probe:  # .to(dtype), .to(device), .float(): they convert the values, which must be there
+            self.restore_weight()
+            return super()._apply(fn, recurse)
+        # Nothing to convert (a model moved to the device it is on, as each engine's worker does): the weight stays
+        # removed, out of fn's way (a meta tensor cannot be copied to a device).
+        weight = self._parameters.pop("weight")
+        try:
+            return super()._apply(fn, recurse)
+        finally:
+            self._parameters["weight"] = weight
 
     def linear(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
         """``x [N, in] @ weight.T + bias`` -> ``[N, out]`` through ``PackedWeight.linear``, or through the panels
@@ -242,7 +262,7 @@ class Linear(nn.Linear):
             if pw.panels_usable(x):
                 out = custom_ops.packed_gemm(x.contiguous(), pw._packed, self.out_features)
                 return out if bias is None else out.add_(bias)
-            self.restore_weight()
+            self.restore_weight(keep=True)
         return pw.linear(x, self.weight, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -258,6 +278,7 @@ def release_free_memory() -> bool:
         trim = ctypes.CDLL(None).malloc_trim
     except (OSError, AttributeError):
         return False
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
     trim(0)
     return True
 
@@ -266,7 +287,8 @@ def _removed_weight_in_state_dict(module: Linear, state_dict, prefix: str, local
     """``state_dict`` of a module whose weight is removed: the ``[out, in]`` values, unpacked (a new tensor)."""
     key = prefix + "weight"
     if module.weight_removed and key in state_dict:
-        state_dict[key] = custom_ops.unpack_gemm_weight(module._packed_weight._packed, module.out_features)
+        with torch.inference_mode(False), torch.no_grad():
+            state_dict[key] = custom_ops.unpack_gemm_weight(module._packed_weight._packed, module.out_features)
 
 
 def _restore_before_load(module: Linear, *args, **kwargs) -> None:

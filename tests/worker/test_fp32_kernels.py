@@ -207,6 +207,13 @@ def test_smollm2_greedy_tokens_unchanged(monkeypatch, real_llm, count_kernel_cal
     if custom_ops.packed_gemm_available():
         model = llm.llm_engine.model_runner.model
         assert all(m.weight_removed for m in model.modules() if isinstance(m, Linear))
+        # Parameter counts and the course's reading of a layer's weights see through the removal.
+        from minivllm.course.exercises._reference import split_layer_weights
+
+        ref_model = real_llm.llm_engine.model_runner.model
+        assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref_model.parameters())
+        ours, ref = split_layer_weights(model.model.layers[0]), split_layer_weights(ref_model.model.layers[0])
+        assert all(torch.equal(ours[k], ref[k]) for k in ref)
         assert calls["skinny_gemm"] == 0
         assert calls["packed_gemm"] == one_row + len(prompts) * 4 * layers  # and each prefill's layers
     else:
@@ -280,10 +287,15 @@ def test_two_engines_sharing_a_model_each_keep_their_choice(monkeypatch):
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "1")
     on = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
     linears = [m for m in model.modules() if isinstance(m, Linear)]
-    # The fast path's engine keeps the layers' float32 weights as panels alone where packed_gemm is built.
-    assert all(m.weight_removed == custom_ops.packed_gemm_available() for m in linears)
+    # The fast path's engine keeps the layers' float32 weights as panels alone where packed_gemm is built; a second
+    # engine moving the model to the device it is on leaves them so.
+    removed = custom_ops.packed_gemm_available()
+    assert all(m.weight_removed == removed for m in linears)
+    LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert all(m.weight_removed == removed for m in linears)
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS_FP32", "0")
     off = LLMEngine(model, max_num_batched_tokens=64, enable_prefix_caching=False)
+    assert all(m.weight_removed == removed for m in linears)  # built, not yet stepped
     ref = LLMEngine(build_tiny_model(dtype=torch.float32), max_num_batched_tokens=64, enable_prefix_caching=False)
     sp = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
     for eng in (on, off, ref):
@@ -304,7 +316,9 @@ def test_two_engines_sharing_a_model_each_keep_their_choice(monkeypatch):
     assert on_differs
     # The reference engine's first step took the weights back, bit for bit, and the model keeps them.
     assert not any(m.weight_removed for m in linears)
-    assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
+    names = {m: n for n, m in model.named_modules()}
+    assert all(torch.equal(m.weight.detach(), weights[names[m] + ".weight"]) for m in linears)
+    assert not any(m.remove_weight() for m in linears)
 
 
 def test_kernels_off_wins_over_the_float32_switch(monkeypatch):
@@ -331,7 +345,10 @@ def test_a_removed_weight_lives_in_the_panels_and_comes_back_bit_for_bit():
     w, b = layer.weight.detach().clone(), layer.bias.detach().clone()
     assert torch.equal(custom_ops.unpack_gemm_weight(custom_ops.pack_gemm_weight(w), 100), w)
     with torch.no_grad():
-        assert layer.remove_weight() and layer.weight.numel() == 0
+        assert layer.remove_weight() and layer.weight.is_meta and layer.weight.shape == (100, 64)
+        assert sum(p.numel() for p in layer.parameters()) == 100 * 64 + 100  # counts and shapes stay right
+        layer.to(torch.float32)  # nothing to convert: the weight stays removed
+        assert layer.weight_removed
         for rows in (1, 2, 13):
             x = torch.randn(rows, 64)
             torch.testing.assert_close(layer(x), F.linear(x, w, b), atol=1e-5, rtol=1e-5)
@@ -340,7 +357,16 @@ def test_a_removed_weight_lives_in_the_panels_and_comes_back_bit_for_bit():
         assert torch.equal(layer.state_dict()["weight"], w) and layer.weight_removed
     layer(torch.randn(3, 64))  # autograd on: F.linear, on the restored weight
     assert not layer.weight_removed and torch.equal(layer.weight.detach(), w)
-    assert not layer.remove_weight()  # restored once, kept from then on
+    assert not layer.remove_weight()  # restored for a call the panels could not serve: kept from then on
+
+    in_step = Linear(64, 100)
+    in_step._packed_weight.set_float32(True)
+    assert in_step.remove_weight()
+    with torch.inference_mode():  # as inside a step: the weight comes back as a normal tensor all the same
+        in_step.restore_weight()
+    assert not in_step.weight.is_inference()
+    in_step(torch.randn(2, 64)).sum().backward()
+    assert in_step.remove_weight()  # restored without keep: it may go again
 
     moved = Linear(64, 100)
     moved._packed_weight.set_float32(True)

@@ -103,19 +103,22 @@ def split_layer_weights(layer: LlamaDecoderLayer) -> Dict[str, torch.Tensor]:
         Copies, keyed ``input_layernorm, q_proj, k_proj, v_proj, o_proj, post_attention_layernorm, gate_proj,
         up_proj, down_proj``.
     """
-    attn, mlp = layer.self_attn, layer.mlp
-    q, k, v = attn.qkv_proj.weight.detach().split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
-    gate, up = mlp.gate_up_proj.weight.detach().chunk(2, dim=0)
+    attn = layer.self_attn
+    # Through state_dict: an engine on the float32 fast path keeps a linear layer's weight as packed panels alone
+    # (packed_linear.Linear.remove_weight), and state_dict gives its values back.
+    sd = {name: t.detach() for name, t in layer.state_dict().items()}
+    q, k, v = sd["self_attn.qkv_proj.weight"].split([attn.q_size, attn.kv_size, attn.kv_size], dim=0)
+    gate, up = sd["mlp.gate_up_proj.weight"].chunk(2, dim=0)
     return {
-        "input_layernorm": layer.input_layernorm.weight.detach().clone(),
+        "input_layernorm": sd["input_layernorm.weight"].clone(),
         "q_proj": q.clone(),
         "k_proj": k.clone(),
         "v_proj": v.clone(),
-        "o_proj": attn.o_proj.weight.detach().clone(),
-        "post_attention_layernorm": layer.post_attention_layernorm.weight.detach().clone(),
+        "o_proj": sd["self_attn.o_proj.weight"].clone(),
+        "post_attention_layernorm": sd["post_attention_layernorm.weight"].clone(),
         "gate_proj": gate.clone(),
         "up_proj": up.clone(),
-        "down_proj": mlp.down_proj.weight.detach().clone(),
+        "down_proj": sd["mlp.down_proj.weight"].clone(),
     }
 
 
