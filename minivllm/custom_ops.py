@@ -268,8 +268,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """``x [1, in] @ weight[out, in].T`` -> ``[1, out]``, float32 (``csrc/skinny_gemm.cpp``): a batch-1 decode's
-    linear layers and LM head, the output rows split across the threads. Sums in another order than MKL's: equal
-    to ``F.linear`` within float32 rounding, not bit for bit.
+    linear layers and LM head where ``packed_gemm`` is not built or packing is off (else one row goes to the
+    panels), the output rows split across the threads. Sums in another order than MKL's: equal to ``F.linear``
+    within float32 rounding, not bit for bit.
 
     Raises:
         RuntimeError: (the kernel's check) when a dtype is not float32, ``x`` has more than one row or another
