@@ -49,7 +49,7 @@ from minivllm import envs
 
 CSRC = Path(__file__).with_name("csrc")
 SOURCES = ["attention.cpp", "prefill_attention.cpp", "layernorm.cpp", "activation.cpp", "pos_encoding.cpp",
-           "skinny_gemm.cpp", "packed_gemm.cpp", "torch_bindings.cpp"]
+           "skinny_gemm.cpp", "packed_gemm.cpp", "thread_pool.cpp", "torch_bindings.cpp"]
 # -march=native: the build is for this machine's CPU (the cache key includes its feature flags). Files whose
 # results must round exactly as PyTorch's separate operators switch off fused multiply-adds themselves.
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-std=c++20", "-w"]
@@ -88,7 +88,7 @@ def _cpu_id() -> str:
 
 def _build_name(flags: list) -> str:
     h = hashlib.sha256()
-    for name in SOURCES + ["ops.h", "cpu_utils.h"]:
+    for name in SOURCES + ["ops.h", "cpu_utils.h", "thread_pool.h"]:
         h.update((CSRC / name).read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
@@ -331,3 +331,32 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
     out = x.new_empty((x.shape[0], out_features)) if x.dim() == 2 else x.new_empty(0, out_features)
     _ops().packed_gemm(out, x, packed)
     return out
+
+
+def set_redoable_threads(n: int) -> None:
+    """The thread count of the kernels whose work items the calling thread redoes rather than wait for a helper
+    thread the OS has descheduled (``packed_gemm``, ``paged_attention_decode``; ``csrc/thread_pool.h``): ``n >= 1``,
+    or ``0`` to follow ``torch.set_num_threads`` as the other kernels do. minivllm's thread governor sets every CPU
+    of the process (``minivllm/worker/cpu_threads.py``). Does nothing where the kernels are not loaded (nothing
+    then reads it); the count is the process's, for every thread.
+
+    Raises:
+        ValueError: ``n < 0``.
+    """
+    if n < 0:
+        raise ValueError(f"set_redoable_threads: n must be >= 0 (0: follow torch.set_num_threads), got {n}")
+    if _state["loaded"]:
+        _ops().set_redoable_threads(n)
+
+
+def redoable_threads() -> int:
+    """The thread count ``packed_gemm`` and ``paged_attention_decode`` run on in the calling thread
+    (``set_redoable_threads``, else ``torch.get_num_threads()``); ``torch.get_num_threads()`` where the kernels are
+    not loaded."""
+    return int(_ops().redoable_threads()) if _state["loaded"] else torch.get_num_threads()
+
+
+def redone_items() -> int:
+    """How many work items of those kernels the calling thread has redone in this process because the helper thread
+    that held them had not finished (``csrc/thread_pool.h``); 0 where the kernels are not loaded."""
+    return int(_ops().redone_items()) if _state["loaded"] else 0

@@ -226,17 +226,34 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const float fscale = static_cast<float>(scale);
 
   // One work item = one request, or one (request, KV head) when there are too few requests to keep every thread
-  // busy (batch 1). A whole request reads each block front to back: all KV heads of a token are adjacent.
-  const int64_t heads_per_item = num_reqs >= 4 * at::get_num_threads() ? num_kv_heads : 1;
+  // busy (batch 1). A whole request reads each block front to back: all KV heads of a token are adjacent. An item
+  // writes its query heads' output once, at its end, so a helper can compute it aside and the items go to
+  // run_redoable (thread_pool.h): a helper that the OS deschedules does not hold up the step.
+  const int64_t threads = redoable_threads();
+  const int64_t heads_per_item = num_reqs >= 4 * threads ? num_kv_heads : 1;
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
-  parallel_for_dynamic(num_reqs * items_per_req, [&](auto next_item) {
-    std::vector<float> q(qh_per_item * head_dim), acc(qh_per_item * head_dim), logits(qh_per_item * max_len);
-    // One register wide (kLanes): a 16-lane GCC vector under AVX2 goes through the stack in 16-byte pieces.
-    using VL = Lanes<kLanes>::f;
-    std::vector<VL> accl(HD > 0 ? qh_per_item * HD / kLanes : 0);
-    std::vector<float> part(MINIVLLM_F32_KEYS > 0 ? qh_per_item * MINIVLLM_F32_KEYS * MINIVLLM_F32_KEYS : 0);
-    for (int64_t item = next_item(); item >= 0; item = next_item()) {
+  // One register wide (kLanes): a 16-lane GCC vector under AVX2 goes through the stack in 16-byte pieces.
+  using VL = Lanes<kLanes>::f;
+  auto items = std::make_shared<RedoableItems>();
+  items->n = num_reqs * items_per_req;
+  items->scratch_floats = (qh_per_item * head_dim * int64_t(sizeof(T)) + 3) / 4;  // one item's output, as T
+  items->keep = {out, query, kv_cache, block_table, seq_lens, query_rows};
+  items->commit = [=](int64_t item, const float* scratch) {
+    const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
+    const T* src = reinterpret_cast<const T*>(scratch);
+    std::copy(src, src + qh_per_item * head_dim, out_ptr + row_ptr[r] * out_row_stride + h0 * group * head_dim);
+  };
+  items->compute = [=](int64_t item, float* scratch) {
+    // Each thread's working memory, kept from one item to the next.
+    thread_local std::vector<float> q, acc, logits, part;
+    thread_local std::vector<VL> accl;
+    q.resize(qh_per_item * head_dim);
+    acc.resize(qh_per_item * head_dim);
+    logits.resize(qh_per_item * max_len);
+    accl.resize(HD > 0 ? qh_per_item * HD / kLanes : 0);
+    part.resize(MINIVLLM_F32_KEYS > 0 ? qh_per_item * MINIVLLM_F32_KEYS * MINIVLLM_F32_KEYS : 0);
+    {
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       const int64_t len = len_ptr[r];
       const int64_t row = row_ptr[r];
@@ -361,10 +378,11 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           for (int64_t i = 0; i < qh_per_item * (HD / kLanes); ++i)
             for (int j = 0; j < kLanes; ++j) acc[i * kLanes + j] = accl[i][j];
       }
-      T* dst = out_ptr + row * out_row_stride + h0 * group * head_dim;
+      T* dst = scratch ? reinterpret_cast<T*>(scratch) : out_ptr + row * out_row_stride + h0 * group * head_dim;
       for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
     }
-  });
+  };
+  run_redoable(std::move(items), threads);
 }
 
 }  // namespace

@@ -8,9 +8,10 @@
 // packed GEMM").
 //
 // Layout: panel j holds output columns j*NR .. j*NR+NR-1 as [K][NR] (zeros past the last column), so the inner loop
-// reads NR consecutive floats per k. Each thread takes a run of panels and multiplies all M rows by one panel before
-// the next: the panel comes from memory once (decode steps stream the weights) and from the L2 cache for the other
-// row tiles. Per k, a tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused
+// reads NR consecutive floats per k. A work item is a run of panels by a block of up to 128 rows (all rows of a
+// decode step), each panel multiplied by the block's rows before the next: the panel comes from memory once (decode
+// steps stream the weights) and from the L2 cache for the other row tiles. The items go to run_redoable
+// (thread_pool.h), so a helper thread that the OS deschedules in the middle of one does not hold up the call. Per k, a tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused
 // multiply-adds into MR * NR / L accumulator registers: 24 with AVX-512 (12 x 32), 12 with AVX2 (6 x 16, of its 16).
 // One row (a batch-1 decode step) takes two panels at a time: on a 2-core Zen 4, SmolLM2's 30 layers and LM head
 // (random weights) took 0.83-0.99x skinny_gemm's time that way (AVX-512 and AVX2 builds, one and two threads),
@@ -150,7 +151,7 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
   at::Tensor packed = empty_on_huge_pages({panels, K, nr}, weight.options());
   const float* w = weight.data_ptr<float>();
   float* p = packed.data_ptr<float>();
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < nr; ++c) {
@@ -187,25 +188,53 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
   const float* pp = packed.data_ptr<float>();
   float* yp = out.data_ptr<float>();
   const int64_t ldx = x.stride(0), ldy = out.stride(0);
-  at::parallel_for(0, packed.size(0), 1, [&](int64_t begin, int64_t end) {
-    if (M == 1) {  // one row (a batch-1 decode step): two full panels at a time, the rest as below
+  const int64_t panels = packed.size(0);
+  // Work items: a run of panels by a block of rows, about 30 us each (at 100 GFLOP/s, or 15 GB/s for the panels of
+  // one row), so that an item redone because its helper lost the CPU costs little (run_redoable, thread_pool.h).
+  const int64_t rb = M >= 256 ? 128 : std::max<int64_t>(M, 1);
+  const double panel_ns = std::max(2.0 * rb * K * NR / 100.0, K * NR * 4.0 / 15.0);
+  int64_t ppi = std::max<int64_t>(1, int64_t(30000.0 / panel_ns));
+  if (M == 1) ppi = (ppi + 1) / 2 * 2;  // whole pairs for row_by_two_panels
+  const int64_t chunks = (panels + ppi - 1) / ppi, row_blocks = (M + rb - 1) / rb;
+  auto items = std::make_shared<RedoableItems>();
+  items->n = M > 0 ? chunks * row_blocks : 0;
+  items->scratch_floats = rb * ppi * NR;
+  items->keep = {x, packed, out};
+  // y: where column j0 * NR of row r0 goes, rows ldy apart.
+  auto run = [=](int64_t i, float* y, int64_t ldy_) {
+    const int64_t r0 = i / chunks * rb, rows_here = std::min(rb, M - r0);
+    int64_t begin = i % chunks * ppi;
+    const int64_t j0 = begin, end = std::min(panels, begin + ppi);
+    const float* xb = xp + r0 * ldx;
+    if (rows_here == 1) {  // one row (a batch-1 decode step): two full panels at a time, the rest as below
       for (; begin + 2 <= end && (begin + 2) * NR <= N; begin += 2)
-        row_by_two_panels(xp, pp + begin * K * NR, K, yp + begin * NR);
+        row_by_two_panels(xb, pp + begin * K * NR, K, y + (begin - j0) * NR);
     }
     for (int64_t j = begin; j < end; ++j) {
       const float* panel = pp + j * K * NR;
       const int64_t ncols = std::min<int64_t>(NR, N - j * NR);
-      // ceil(M / MR) tiles of as equal a height as possible (8 rows with AVX2: 4 + 4, not 6 + 2): a short tile
+      // ceil(rows / MR) tiles of as equal a height as possible (8 rows with AVX2: 4 + 4, not 6 + 2): a short tile
       // has too few independent accumulator chains to cover the multiply-add latency.
-      const int64_t tiles = (M + MR - 1) / MR;
+      const int64_t tiles = (rows_here + MR - 1) / MR;
       for (int64_t t = 0, r = 0; t < tiles; ++t) {
-        const int rows = int(M / tiles + (t < M % tiles));
-        tile_of(rows, xp + r * ldx, ldx, panel, K, yp + r * ldy + j * NR, ldy, ncols,
+        const int rows = int(rows_here / tiles + (t < rows_here % tiles));
+        tile_of(rows, xb + r * ldx, ldx, panel, K, y + r * ldy_ + (j - j0) * NR, ldy_, ncols,
                 std::make_integer_sequence<int, MR>{});
         r += rows;
       }
     }
-  });
+  };
+  items->compute = [=](int64_t i, float* scratch) {
+    if (scratch) return run(i, scratch, ppi * NR);
+    run(i, yp + i / chunks * rb * ldy + i % chunks * ppi * NR, ldy);
+  };
+  items->commit = [=](int64_t i, const float* scratch) {
+    const int64_t r0 = i / chunks * rb, rows_here = std::min(rb, M - r0);
+    const int64_t c0 = i % chunks * ppi * NR, cols = std::min(N, c0 + ppi * NR) - c0;
+    for (int64_t r = 0; r < rows_here; ++r)
+      std::copy(scratch + r * ppi * NR, scratch + r * ppi * NR + cols, yp + (r0 + r) * ldy + c0);
+  };
+  run_redoable(std::move(items), redoable_threads());
 #endif
 }
 

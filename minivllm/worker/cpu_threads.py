@@ -9,6 +9,13 @@ process holds one of the CPUs, each region waits for the thread that shares that
 slower with two threads than with one: on the AVX-512 class, 170.4 output tok/s idle fell to 49.3 with two threads
 and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIONS.md``, issue 27).
 
+minivllm's float32 products and decode attention, most of a step's time, no longer wait so: the calling thread redoes
+an item that a descheduled helper thread holds (``csrc/thread_pool.h``). The governor therefore runs them on every CPU
+of the process whatever the load (``custom_ops.set_redoable_threads``), and its count applies to the rest, PyTorch's
+operators and minivllm's other kernels: with a busy second core, the 32-request benchmark gave 116.6 and 119.0 output
+tok/s against 103.0 with every kernel on one thread, on the AVX-512 class (OPTIMISATIONS.md, "Kernels that do not wait
+for a descheduled thread").
+
 :class:`CpuThreadGovernor` reads at the end of each step how much CPU time the machine's other processes used on this
 process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor counts as used)
 and, every half second of stepping at most, sets the thread count of the thread that runs the step
@@ -36,6 +43,8 @@ import weakref
 from typing import Callable, List, Optional, Tuple
 
 import torch
+
+from minivllm import custom_ops
 
 #: Seconds of stepping between two decisions; a step in between keeps the last decision.
 INTERVAL_S = 0.5
@@ -116,7 +125,7 @@ class CpuThreadGovernor:
         self._pause_others: Optional[float] = None  # CPUs others used in the pause before this step, if there was one
         self.threads, self.changes = torch.get_num_threads(), 0
         # Give the count back when the engine goes, so that later work in the process gets the machine's default.
-        self._finalizer = weakref.finalize(self, torch.set_num_threads, self.threads)
+        self._finalizer = weakref.finalize(self, _give_back, self.threads)
 
     def _read(self) -> Reading:
         return self._clock(), self._busy(), self._own()
@@ -194,6 +203,9 @@ class CpuThreadGovernor:
         if target != current:
             torch.set_num_threads(target)
             self.changes += 1
+        # Every CPU for the kernels whose items do not wait for a descheduled thread (module doc); set at each step,
+        # as the kernels may be loaded after the first one and another engine's governor may have closed since.
+        custom_ops.set_redoable_threads(self.max_threads)
         return target
 
     def step_done(self) -> None:
@@ -205,6 +217,11 @@ class CpuThreadGovernor:
     def close(self) -> None:
         """Give torch its count from before (also done when the governor is collected)."""
         self._finalizer()
+
+
+def _give_back(threads: int) -> None:
+    torch.set_num_threads(threads)
+    custom_ops.set_redoable_threads(0)
 
 
 def governor_for_this_process() -> Optional[CpuThreadGovernor]:

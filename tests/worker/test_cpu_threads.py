@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 
+from minivllm import custom_ops
 from minivllm.worker import cpu_threads
 from minivllm.worker.cpu_threads import CpuThreadGovernor, governor_for_this_process, proc_stat_busy_seconds
 
@@ -244,6 +245,24 @@ def test_never_below_one_thread_and_closing_restores_the_count(restore_threads):
     assert g.update() == 1 and torch.get_num_threads() == 1
     g.close()
     assert torch.get_num_threads() == 4
+
+
+@pytest.mark.skipif(not custom_ops.load(), reason="the CPU kernels cannot be built here")
+def test_the_redoable_kernels_keep_every_cpu_while_a_busy_one_takes_torchs_thread(restore_threads):
+    """The products and decode attention do not wait for a descheduled thread (csrc/thread_pool.h): the governor
+    leaves them every CPU when it lowers torch's count, and gives them back to torch's count when it closes."""
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = make(m)
+    try:
+        m.run(1.0, ours=1.5, others=0.5)
+        assert g.update() == 1 and torch.get_num_threads() == 1
+        assert custom_ops.redoable_threads() == 2
+    finally:
+        g.close()
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    assert custom_ops.redoable_threads() == 1  # following torch again
 
 
 def test_bad_arguments_are_refused():

@@ -1,0 +1,139 @@
+"""The kernels' own threads (``minivllm/csrc/thread_pool.h``): the same bits for any thread count, items redone when
+a helper is descheduled, and a forked child that gets threads of its own."""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from minivllm import custom_ops
+
+pytestmark = pytest.mark.skipif(not custom_ops.load(), reason="the CPU kernels cannot be built here")
+
+needs_gemm = pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
+
+
+class threads:
+    """torch's and the redoable kernels' thread counts for a block, given back afterwards."""
+
+    def __init__(self, torch_threads: int, redoable: int = 0) -> None:
+        self.torch_threads, self.redoable = torch_threads, redoable
+
+    def __enter__(self):
+        self.before = torch.get_num_threads()
+        torch.set_num_threads(self.torch_threads)
+        custom_ops.set_redoable_threads(self.redoable)
+
+    def __exit__(self, *exc):
+        torch.set_num_threads(self.before)
+        custom_ops.set_redoable_threads(0)
+
+
+def _decode_inputs(g, num_reqs=9, block_size=16, kv_heads=3, group=3, head_dim=64):
+    lens = torch.randint(1, 200, (num_reqs,), generator=g)
+    max_blocks = int((lens.max() + block_size - 1) // block_size)
+    num_blocks = num_reqs * max_blocks + 1
+    kv = torch.randn(2, num_blocks, block_size, kv_heads, head_dim, generator=g)
+    bt = torch.randperm(num_blocks - 1, generator=g)[: num_reqs * max_blocks].view(num_reqs, max_blocks)
+    q = torch.randn(num_reqs, kv_heads * group, head_dim, generator=g)
+    return q, kv, bt.contiguous(), lens, torch.arange(num_reqs)
+
+
+def _decode(q, kv, bt, lens, rows):
+    out = torch.empty_like(q)
+    custom_ops.paged_attention_decode(out, q, kv, bt, lens, rows, 0.125)
+    return out
+
+
+@needs_gemm
+@pytest.mark.parametrize("rows", [1, 3, 20, 300])
+def test_packed_gemm_same_bits_at_every_thread_count(rows):
+    """Items are runs of panels by blocks of up to 128 rows (300 rows: 128 + 128 + 44), each computed by one thread:
+    the result cannot depend on how many threads shared them, or which."""
+    g = torch.Generator().manual_seed(rows)
+    w, x = torch.randn(1000, 576, generator=g), torch.randn(rows, 576, generator=g)
+    packed = custom_ops.pack_gemm_weight(w)
+    results = {}
+    for t, r in [(1, 0), (2, 0), (3, 0), (1, 2), (1, 3)]:
+        with threads(t, r):
+            assert custom_ops.redoable_threads() == (r or t)
+            results[t, r] = custom_ops.packed_gemm(x, packed, 1000)
+    base = results[1, 0]
+    torch.testing.assert_close(base.double(), x.double() @ w.double().T, atol=1e-3, rtol=1e-5)
+    assert all(torch.equal(v, base) for v in results.values())
+
+
+def test_decode_attention_and_the_other_kernels_same_bits_at_every_thread_count():
+    g = torch.Generator().manual_seed(0)
+    q, kv, bt, lens, rows = _decode_inputs(g)
+    x, w = torch.randn(70, 576, generator=g), torch.rand(576, generator=g)
+    gate_up = torch.randn(70, 2 * 1536, generator=g)
+    out = {}
+    for t in (1, 2, 3):
+        with threads(t):
+            out[t] = (_decode(q, kv, bt, lens, rows), custom_ops.rms_norm(x, w, 1e-5), custom_ops.silu_and_mul(gate_up))
+    for t in (2, 3):
+        assert all(torch.equal(a, b) for a, b in zip(out[t], out[1]))
+
+
+def _busy_loop_on(cpu: int) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", f"import os; os.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+
+
+@needs_gemm
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="needs two CPUs: one for a busy loop, one for this process's other thread")
+def test_items_a_descheduled_helper_holds_are_redone_and_the_results_stay_exact():
+    """A busy loop on one CPU takes it from the helper thread for milliseconds at a time, mid-item: the caller redoes
+    such items (its own result is the one kept) and the helper's late result is dropped. Every product must still
+    equal the one-thread product, bit for bit."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(3072, 576, generator=g), torch.randn(20, 576, generator=g)
+    packed = custom_ops.pack_gemm_weight(w)
+    q, kv, bt, lens, rows = _decode_inputs(g, num_reqs=24)
+    with threads(1):
+        want_gemm, want_attn = custom_ops.packed_gemm(x, packed, 3072), _decode(q, kv, bt, lens, rows)
+    before = custom_ops.redone_items()
+    loop = _busy_loop_on(sorted(os.sched_getaffinity(0))[-1])
+    try:
+        deadline = time.monotonic() + 20
+        calls = 0
+        with threads(1, 2):
+            while time.monotonic() < deadline and (custom_ops.redone_items() == before or calls < 200):
+                assert torch.equal(custom_ops.packed_gemm(x, packed, 3072), want_gemm)
+                assert torch.equal(_decode(q, kv, bt, lens, rows), want_attn)
+                calls += 1
+    finally:
+        loop.kill()
+        loop.wait()
+    assert custom_ops.redone_items() > before, f"no item was redone in {calls} calls"
+
+
+def _child_product(queue, x, w, want):
+    packed = custom_ops.pack_gemm_weight(w)
+    torch.set_num_threads(2)
+    queue.put(torch.equal(custom_ops.packed_gemm(x, packed, w.shape[0]), want))
+
+
+@needs_gemm
+def test_a_forked_child_runs_the_kernels_on_threads_of_its_own():
+    """The child of a fork has none of the parent's helper threads: its pool is a new one (pthread_atfork), so a
+    region there neither waits for helpers that do not exist nor deadlocks on a lock held at the fork. (``pack_gemm_weight`` on PyTorch's
+    ``at::parallel_for`` hung in such a child here; it runs on these threads now.)"""
+    g = torch.Generator().manual_seed(2)
+    w, x = torch.randn(500, 64, generator=g), torch.randn(40, 64, generator=g)
+    with threads(2):
+        want = custom_ops.packed_gemm(x, custom_ops.pack_gemm_weight(w), 500)  # the parent's helpers exist now
+    ctx = multiprocessing.get_context("fork")
+    queue = ctx.Queue()
+    child = ctx.Process(target=_child_product, args=(queue, x, w, want))
+    child.start()
+    child.join(60)
+    if child.exitcode is None:
+        child.kill()
+    assert child.exitcode == 0
+    assert queue.get(timeout=5) is True
