@@ -334,11 +334,12 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> tor
 
 
 def set_redoable_threads(n: int) -> None:
-    """The thread count of the kernels whose work items the calling thread redoes rather than wait for a helper
-    thread the OS has descheduled (``packed_gemm``, ``paged_attention_decode``; ``csrc/thread_pool.h``): ``n >= 1``,
-    or ``0`` to follow ``torch.set_num_threads`` as the other kernels do. minivllm's thread governor sets every CPU
-    of the process (``minivllm/worker/cpu_threads.py``). Does nothing where the kernels are not loaded (nothing
-    then reads it); the count is the process's, for every thread.
+    """The thread count of ``packed_gemm`` and ``paged_attention_decode``, whose work items the calling thread redoes
+    rather than wait for a helper thread the OS has descheduled (``csrc/thread_pool.h``): ``n`` above
+    ``torch.get_num_threads()`` runs them on helper threads of their own, else on PyTorch's OpenMP threads as the
+    other kernels; ``0`` follows ``torch.set_num_threads``. minivllm's thread governor sets every CPU of the process,
+    so when it lowers torch's count for a busy CPU these two kernels keep the time that CPU has left
+    (``minivllm/worker/cpu_threads.py``). Does nothing where the kernels are not loaded; the count is the process's.
 
     Raises:
         ValueError: ``n < 0``.

@@ -42,7 +42,7 @@ void silu_and_mul_impl(at::Tensor& out, const at::Tensor& x) {
   const T* xp = ptr<S>(x);
   T* op = ptr<S>(out);
   const int64_t xs = x.stride(0), os = out.stride(0);
-  parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, x.size(0), 8, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) silu_and_mul_row<S>(op + t * os, xp + t * xs, xp + t * xs + d, d);
   });
 }

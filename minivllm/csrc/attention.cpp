@@ -6,6 +6,7 @@
 // request walks its own block table: no copy, no padding, no mask.
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -228,8 +229,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   // One work item = one request, or one (request, KV head) when there are too few requests to keep every thread
   // busy (batch 1). A whole request reads each block front to back: all KV heads of a token are adjacent. An item
   // writes its query heads' output once, at its end, so a helper can compute it aside and the items go to
-  // run_redoable (thread_pool.h): a helper that the OS deschedules does not hold up the step.
-  const int64_t threads = redoable_threads();
+  // run_items (thread_pool.h): with a CPU busy, a helper that the OS deschedules does not hold up the step.
+  const int64_t threads = std::max<int64_t>(redoable_threads(), at::get_num_threads());
   const int64_t heads_per_item = num_reqs >= 4 * threads ? num_kv_heads : 1;
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
@@ -382,7 +383,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       for (int64_t i = 0; i < qh_per_item * head_dim; ++i) dst[i] = S::store(acc[i]);
     }
   };
-  run_redoable(std::move(items), threads);
+  run_items(std::move(items));
 }
 
 }  // namespace

@@ -13,8 +13,6 @@
 #include <cmath>
 #include <cstdint>
 
-#include "thread_pool.h"
-
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
@@ -52,34 +50,19 @@ struct F32 {
   static inline float store(float x) { return x; }
 };
 
-// Work items of uneven size (requests of different lengths) handed out one at a time to pool_threads() workers
-// (thread_pool.h): f(next) runs once per worker that joins, with its own scratch, and next() returns the next item,
-// or -1 when none is left. at::parallel_for alone splits a range into equal contiguous chunks, so one thread could
-// get all the long requests while the other idles.
+// Work items of uneven size (requests of different lengths) handed out one at a time to at::get_num_threads()
+// workers: f(next) runs once per worker with its own scratch, and next() returns the next item, or -1 when none is
+// left. at::parallel_for alone splits a range into equal contiguous chunks, so one thread could get all the long
+// requests while the other idles.
 template <typename F>
 inline void parallel_for_dynamic(int64_t n, const F& f) {
-  run_on_pool(n, std::min<int64_t>(pool_threads(), n), [&f](const NextItem& next) { f(next); });
-}
-
-// at::parallel_for on the kernels' threads (thread_pool.h): f(b, e) over [begin, end) in chunks of a multiple of
-// grain (each starting at begin + a multiple of grain), at most kChunksPerThread per thread, handed out in turn, so
-// that a thread that starts late takes fewer chunks instead of holding the others up at the end. The kernels do not
-// use OpenMP's threads: measured on two Zen 4 cores, an engine step whose products ran on these threads and the
-// other kernels on OpenMP's gave 116-127 output tok/s against 159-166 all on these (minivllm/bench/OPTIMISATIONS.md).
-constexpr int64_t kChunksPerThread = 4;
-template <typename F>
-inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const F& f) {
-  const int64_t range = end - begin;
-  if (range <= 0) return;
-  grain = std::max<int64_t>(grain, 1);
-  const int64_t threads = pool_threads();
-  const int64_t grains = (range + grain - 1) / grain;
-  const int64_t chunks_wanted = std::min(grains, threads > 1 ? threads * kChunksPerThread : 1);
-  const int64_t size = (grains + chunks_wanted - 1) / chunks_wanted * grain;
-  const int64_t chunks = (range + size - 1) / size;
-  run_on_pool(chunks, std::min(threads, chunks), [&](const NextItem& next) {
-    for (int64_t c; (c = next()) >= 0;) f(begin + c * size, std::min(end, begin + (c + 1) * size));
-  });
+  std::atomic<int64_t> counter{0};
+  auto next = [&counter, n]() -> int64_t {
+    const int64_t i = counter.fetch_add(1, std::memory_order_relaxed);
+    return i < n ? i : -1;
+  };
+  const int64_t workers = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), n));
+  at::parallel_for(0, workers, 1, [&](int64_t, int64_t) { f(next); });
 }
 
 template <typename S>

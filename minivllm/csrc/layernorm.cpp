@@ -44,7 +44,7 @@ void rms_norm_impl(at::Tensor& out, const at::Tensor& x, const at::Tensor& weigh
   const T* wp = ptr<S>(weight);
   T* op = ptr<S>(out);
   const int64_t xs = x.stride(0), os = out.stride(0);
-  parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) norm_row<S>(op + t * os, xp + t * xs, wp, n, eps);
   });
 }
@@ -57,7 +57,7 @@ void fused_impl(at::Tensor& x, at::Tensor& residual, const at::Tensor& weight, f
   T* rp = ptr<S>(residual);
   const T* wp = ptr<S>(weight);
   const int64_t xs = x.stride(0), rs = residual.stride(0);
-  parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, x.size(0), 16, [&](int64_t b, int64_t e) {
     for (int64_t t = b; t < e; ++t) {
       T* xr = xp + t * xs;
       T* rr = rp + t * rs;

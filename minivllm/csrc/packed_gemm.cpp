@@ -10,15 +10,17 @@
 // Layout: panel j holds output columns j*NR .. j*NR+NR-1 as [K][NR] (zeros past the last column), so the inner loop
 // reads NR consecutive floats per k. A work item is a run of panels by a block of up to 128 rows (all rows of a
 // decode step), each panel multiplied by the block's rows before the next: the panel comes from memory once (decode
-// steps stream the weights) and from the L2 cache for the other row tiles. The items go to run_redoable
-// (thread_pool.h), so a helper thread that the OS deschedules in the middle of one does not hold up the call. Per k, a tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused
-// multiply-adds into MR * NR / L accumulator registers: 24 with AVX-512 (12 x 32), 12 with AVX2 (6 x 16, of its 16).
+// steps stream the weights) and from the L2 cache for the other row tiles. The items go to run_items (thread_pool.h):
+// with a CPU busy, a helper thread that the OS deschedules in the middle of one does not hold up the call. Per k, a
+// tile loads NR / L vectors of the panel, broadcasts MR activations and makes MR * NR / L fused multiply-adds into
+// MR * NR / L accumulator registers: 24 with AVX-512 (12 x 32), 12 with AVX2 (6 x 16, of its 16).
 // One row (a batch-1 decode step) takes two panels at a time: on a 2-core Zen 4, SmolLM2's 30 layers and LM head
 // (random weights) took 0.83-0.99x skinny_gemm's time that way (AVX-512 and AVX2 builds, one and two threads),
 // 0.86-1.07x one panel at a time; on the loaded weights, both on huge pages, 0.91-1.06x (minivllm/bench/
 // OPTIMISATIONS.md, "The float32 weights held once"). So the [out, in] weight can be freed.
 
 #include "ops.h"
+#include "thread_pool.h"
 
 #include <ATen/Functions.h>
 #include <ATen/Parallel.h>
@@ -151,7 +153,7 @@ at::Tensor pack_gemm_weight(const at::Tensor& weight) {
   at::Tensor packed = empty_on_huge_pages({panels, K, nr}, weight.options());
   const float* w = weight.data_ptr<float>();
   float* p = packed.data_ptr<float>();
-  parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
     for (int64_t j = begin; j < end; ++j)
       for (int64_t k = 0; k < K; ++k)
         for (int64_t c = 0; c < nr; ++c) {
@@ -190,7 +192,7 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
   const int64_t ldx = x.stride(0), ldy = out.stride(0);
   const int64_t panels = packed.size(0);
   // Work items: a run of panels by a block of rows, about 30 us each (at 100 GFLOP/s, or 15 GB/s for the panels of
-  // one row), so that an item redone because its helper lost the CPU costs little (run_redoable, thread_pool.h).
+  // one row), so that an item redone because its helper lost the CPU costs little (run_items, thread_pool.h).
   const int64_t rb = M >= 256 ? 128 : std::max<int64_t>(M, 1);
   const double panel_ns = std::max(2.0 * rb * K * NR / 100.0, K * NR * 4.0 / 15.0);
   int64_t ppi = std::max<int64_t>(1, int64_t(30000.0 / panel_ns));
@@ -234,7 +236,7 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
     for (int64_t r = 0; r < rows_here; ++r)
       std::copy(scratch + r * ppi * NR, scratch + r * ppi * NR + cols, yp + (r0 + r) * ldy + c0);
   };
-  run_redoable(std::move(items), redoable_threads());
+  run_items(std::move(items));
 #endif
 }
 

@@ -26,7 +26,7 @@ void rotary_impl(const at::Tensor& positions, at::Tensor& qk, int64_t num_rotate
   using T = typename S::storage;
   T* xp = ptr<S>(qk);
   const int64_t ts = qk.stride(0);
-  parallel_for(0, qk.size(0), 16, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, qk.size(0), 16, [&](int64_t b, int64_t e) {
     std::vector<float> x(dim);
     for (int64_t t = b; t < e; ++t) {
       const int64_t p = pos[t];

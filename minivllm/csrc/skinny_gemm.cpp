@@ -66,7 +66,7 @@ void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight)
   float* y = out.data_ptr<float>();
   const int64_t blocks = (n_out + kRows - 1) / kRows;
   // 64 rows at least per thread: below that a thread's start-up costs more than the rows it reads.
-  parallel_for(0, blocks, 64 / kRows, [&](int64_t b, int64_t e) {
+  at::parallel_for(0, blocks, 64 / kRows, [&](int64_t b, int64_t e) {
     const int64_t end = std::min(e * kRows, n_out);
     for (int64_t o = b * kRows; o < end; ++o) y[o] = row_dot(w + o * k, xp, k);
   });

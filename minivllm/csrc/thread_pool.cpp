@@ -1,17 +1,6 @@
-// The kernels' threads (thread_pool.h). One region runs at a time, of one of two kinds.
-//
-// run_on_pool: the whole state of the region is one 64-bit word, so that joining, taking an item and leaving are
-// each one atomic operation on it:
-//   bits  0-35  items left        (the next item is n - left)
-//   bits 36-43  workers in the region (the caller counts as one from the start)
-//   bits 44-51  the most workers the region takes (its thread count)
-//   bits 52-63  the region's number, so that every region's first word differs from the last one's
-// A helper joins only while items are left and the region has room, and the caller returns once no item is left and
-// no worker is in the region: a helper that wakes late finds nothing left and goes back to waiting.
-//
-// run_redoable: each item has a state (free, taken by a helper, being committed, done, the caller's); the region is
-// shared (std::shared_ptr) with the helpers working in it, so that one that finishes after the caller has returned
-// still holds valid memory, and finds its item redone.
+// Redoable work items (thread_pool.h). Each item has a state: free, taken by a helper, being committed, done, or the
+// caller's. The region is shared (std::shared_ptr) with the helpers working in it, so that one that finishes after
+// the caller has returned still holds valid memory, and finds its item redone.
 #include "thread_pool.h"
 
 #include <ATen/Parallel.h>
@@ -31,10 +20,7 @@
 namespace minivllm {
 namespace {
 
-constexpr uint64_t kLeftMask = (uint64_t(1) << 36) - 1;
-constexpr int kActiveShift = 36, kLimitShift = 44, kGenShift = 52;
-constexpr uint64_t kActiveOne = uint64_t(1) << kActiveShift;
-constexpr int64_t kMaxThreads = 255;
+constexpr int64_t kMaxThreads = 256;
 
 // How long a helper spins for the next region before it sleeps. A step's regions follow each other within tens of
 // microseconds, and waking a sleeping thread costs about as much again; with a busy second core, 200 us gave the
@@ -42,10 +28,6 @@ constexpr int64_t kMaxThreads = 255;
 constexpr auto kSpin = std::chrono::microseconds(200);
 
 using Clock = std::chrono::steady_clock;
-
-inline uint64_t left_of(uint64_t s) { return s & kLeftMask; }
-inline uint64_t active_of(uint64_t s) { return (s >> kActiveShift) & 0xFF; }
-inline uint64_t limit_of(uint64_t s) { return (s >> kLimitShift) & 0xFF; }
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -55,30 +37,25 @@ inline void cpu_relax() {
 
 enum : uint8_t { kFree, kTaken, kCommitting, kDone, kCallers };
 
-struct RedoRegion {
+struct Region {
   std::shared_ptr<RedoableItems> items;
   std::unique_ptr<std::atomic<uint8_t>[]> state;
   std::atomic<int64_t> next{0};  // hands out items; the state decides who computes one
 };
 
 struct Pool {
-  std::atomic<uint64_t> state{0};  // run_on_pool's region (header comment)
   std::atomic<uint32_t> epoch{0};  // bumped when a region starts; sleeping helpers wait on it
   std::atomic<int> sleepers{0};
-  // run_on_pool's region: written before its first word is published, read by a helper only once it has joined
-  // (the region cannot end while it is in).
-  int64_t n = 0;
-  const std::function<void(const NextItem&)>* worker = nullptr;
-  std::mutex redo_mutex;
-  std::shared_ptr<RedoRegion> redo;  // run_redoable's region while it runs, else null
-  std::mutex caller;  // one region at a time
+  std::mutex region_mutex;
+  std::shared_ptr<Region> region;  // the running region, else null
+  std::mutex caller;               // one region at a time
   std::mutex start;
   int helpers = 0;
 };
 
 std::atomic<Pool*> the_pool{nullptr};
 std::atomic<int64_t> redoable_override{0};
-std::atomic<int64_t> redone{0};  // items the caller took from a helper (redone_items)
+std::atomic<int64_t> redone{0};
 thread_local bool in_region = false;
 
 // The child of a fork has none of the parent's helpers, and a lock of the old pool may be held: a fresh pool (the
@@ -96,33 +73,7 @@ Pool& pool() {
   return *the_pool.load(std::memory_order_relaxed);
 }
 
-int64_t take_item(Pool& p) {
-  uint64_t s = p.state.load(std::memory_order_relaxed);
-  while (left_of(s) > 0) {
-    if (p.state.compare_exchange_weak(s, s - 1, std::memory_order_relaxed)) return p.n - int64_t(left_of(s));
-  }
-  return -1;
-}
-
-void work_in_region(Pool& p) {
-  in_region = true;
-  (*p.worker)([&p] { return take_item(p); });
-  in_region = false;
-  // Release: the region's results are visible to the caller once it sees this worker gone.
-  p.state.fetch_sub(kActiveOne, std::memory_order_release);
-}
-
-bool join(Pool& p) {
-  uint64_t s = p.state.load(std::memory_order_relaxed);
-  while (left_of(s) > 0 && active_of(s) < limit_of(s)) {
-    // Acquire: pairs with the caller's publishing store, so n and worker are this region's.
-    if (p.state.compare_exchange_weak(s, s + kActiveOne, std::memory_order_acquire, std::memory_order_relaxed))
-      return true;
-  }
-  return false;
-}
-
-void help_redoable(RedoRegion& r) {
+void help(Region& r) {
   thread_local std::vector<float> scratch;
   const RedoableItems& it = *r.items;
   in_region = true;
@@ -134,7 +85,7 @@ void help_redoable(RedoRegion& r) {
     s = kTaken;
     if (r.state[i].compare_exchange_strong(s, kCommitting, std::memory_order_acq_rel)) {
       it.commit(i, scratch.data());
-      r.state[i].store(kDone, std::memory_order_release);
+      r.state[i].store(kDone, std::memory_order_release);  // the caller reads the output after seeing this
     }
   }
   in_region = false;
@@ -159,15 +110,12 @@ void helper_main(Pool* pp) {
       }
       cpu_relax();
     }
-    std::shared_ptr<RedoRegion> r;
+    std::shared_ptr<Region> r;
     {
-      std::lock_guard<std::mutex> lock(p.redo_mutex);
-      r = p.redo;
+      std::lock_guard<std::mutex> lock(p.region_mutex);
+      r = p.region;
     }
-    if (r)
-      help_redoable(*r);
-    else if (join(p))
-      work_in_region(p);
+    if (r) help(*r);
   }
 }
 
@@ -176,56 +124,25 @@ void start_helpers(Pool& p, int64_t wanted) {
   for (; p.helpers < wanted; ++p.helpers) std::thread(helper_main, &p).detach();
 }
 
-void wake_helpers(Pool& p) {
-  p.epoch.fetch_add(1);
-  if (p.sleepers.load() > 0) p.epoch.notify_all();
-}
-
-}  // namespace
-
-void run_on_pool(int64_t n, int64_t threads, const std::function<void(const NextItem&)>& worker) {
-  TORCH_CHECK(n >= 0 && uint64_t(n) <= kLeftMask, "run_on_pool: n must be in [0, 2^36), got ", n);
-  threads = std::min(threads, kMaxThreads);
-  auto alone = [&] {
-    int64_t i = 0;
-    worker([&i, n]() -> int64_t { return i < n ? i++ : -1; });
-  };
-  if (threads <= 1 || n <= 1 || in_region) return alone();
-  Pool& p = pool();
-  std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
-  if (!lock.owns_lock()) return alone();
-  if (p.helpers < threads - 1) start_helpers(p, threads - 1);
-  p.n = n;
-  p.worker = &worker;
-  const uint64_t gen = (p.state.load(std::memory_order_relaxed) >> kGenShift) + 1;
-  p.state.store((gen << kGenShift) | (uint64_t(threads) << kLimitShift) | kActiveOne | uint64_t(n),
-                std::memory_order_release);
-  wake_helpers(p);
-  work_in_region(p);
-  // Every item is handed out; wait for the helpers still working on theirs.
-  while (active_of(p.state.load(std::memory_order_acquire)) != 0) cpu_relax();
-}
-
 void run_redoable(std::shared_ptr<RedoableItems> items, int64_t threads) {
   const int64_t n = items->n;
-  threads = std::min(threads, kMaxThreads);
-  auto alone = [&] {
-    for (int64_t i = 0; i < n; ++i) items->compute(i, nullptr);
-  };
-  if (threads <= 1 || n <= 1 || in_region) return alone();
   Pool& p = pool();
   std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
-  if (!lock.owns_lock()) return alone();
+  if (!lock.owns_lock() || in_region) {  // another thread's region is running: this one on the calling thread
+    for (int64_t i = 0; i < n; ++i) items->compute(i, nullptr);
+    return;
+  }
   if (p.helpers < threads - 1) start_helpers(p, threads - 1);
-  auto r = std::make_shared<RedoRegion>();
+  auto r = std::make_shared<Region>();
   r->items = std::move(items);
   r->state.reset(new std::atomic<uint8_t>[n]);
   for (int64_t i = 0; i < n; ++i) r->state[i].store(kFree, std::memory_order_relaxed);
   {
-    std::lock_guard<std::mutex> l(p.redo_mutex);
-    p.redo = r;
+    std::lock_guard<std::mutex> l(p.region_mutex);
+    p.region = r;
   }
-  wake_helpers(p);
+  p.epoch.fetch_add(1);
+  if (p.sleepers.load() > 0) p.epoch.notify_all();
   const RedoableItems& it = *r->items;
   int64_t own = 0;
   Clock::duration own_time{0};
@@ -259,22 +176,31 @@ void run_redoable(std::shared_ptr<RedoableItems> items, int64_t threads) {
     }
   }
   in_region = false;
-  std::lock_guard<std::mutex> l(p.redo_mutex);
-  p.redo.reset();
+  std::lock_guard<std::mutex> l(p.region_mutex);
+  p.region.reset();
 }
 
-int64_t redone_items() { return redone.load(std::memory_order_relaxed); }
+}  // namespace
 
-int64_t pool_threads() { return at::get_num_threads(); }
+void run_items(std::shared_ptr<RedoableItems> items) {
+  const int64_t n = items->n, torch_threads = at::get_num_threads();
+  const int64_t threads = std::min(redoable_threads(), kMaxThreads);
+  if (threads > torch_threads && threads > 1 && n > 1) return run_redoable(std::move(items), threads);
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin; i < end; ++i) items->compute(i, nullptr);
+  });
+}
 
 int64_t redoable_threads() {
   const int64_t n = redoable_override.load(std::memory_order_relaxed);
-  return n > 0 ? n : pool_threads();
+  return n > 0 ? n : at::get_num_threads();
 }
 
 void set_redoable_threads(int64_t n) {
   TORCH_CHECK(n >= 0, "set_redoable_threads: n must be >= 0 (0: follow torch.set_num_threads), got ", n);
   redoable_override.store(n, std::memory_order_relaxed);
 }
+
+int64_t redone_items() { return redone.load(std::memory_order_relaxed); }
 
 }  // namespace minivllm

@@ -4,6 +4,7 @@
 #include <torch/library.h>
 
 #include "ops.h"
+#include "thread_pool.h"
 
 TORCH_LIBRARY(minivllm_cpu, m) {
   m.def(

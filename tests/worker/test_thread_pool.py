@@ -1,5 +1,6 @@
-"""The kernels' own threads (``minivllm/csrc/thread_pool.h``): the same bits for any thread count, items redone when
-a helper is descheduled, and a forked child that gets threads of its own."""
+"""Redoable work items (``minivllm/csrc/thread_pool.h``): the same bits on OpenMP's threads and on the kernels' own
+helpers, at any thread count; items redone when a helper is descheduled; a forked child that gets helpers of its
+own."""
 
 import multiprocessing
 import os
@@ -18,7 +19,8 @@ needs_gemm = pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="
 
 
 class threads:
-    """torch's and the redoable kernels' thread counts for a block, given back afterwards."""
+    """torch's and the redoable kernels' thread counts for a block, given back afterwards. A redoable count above
+    torch's sends ``packed_gemm`` and ``paged_attention_decode`` to the helpers, else to ``at::parallel_for``."""
 
     def __init__(self, torch_threads: int, redoable: int = 0) -> None:
         self.torch_threads, self.redoable = torch_threads, redoable
@@ -67,17 +69,15 @@ def test_packed_gemm_same_bits_at_every_thread_count(rows):
     assert all(torch.equal(v, base) for v in results.values())
 
 
-def test_decode_attention_and_the_other_kernels_same_bits_at_every_thread_count():
+def test_decode_attention_same_bits_at_every_thread_count():
     g = torch.Generator().manual_seed(0)
-    q, kv, bt, lens, rows = _decode_inputs(g)
-    x, w = torch.randn(70, 576, generator=g), torch.rand(576, generator=g)
-    gate_up = torch.randn(70, 2 * 1536, generator=g)
-    out = {}
-    for t in (1, 2, 3):
-        with threads(t):
-            out[t] = (_decode(q, kv, bt, lens, rows), custom_ops.rms_norm(x, w, 1e-5), custom_ops.silu_and_mul(gate_up))
-    for t in (2, 3):
-        assert all(torch.equal(a, b) for a, b in zip(out[t], out[1]))
+    for num_reqs in (2, 24):  # one item per (request, KV head), then one per request
+        q, kv, bt, lens, rows = _decode_inputs(g, num_reqs=num_reqs)
+        out = {}
+        for t, r in [(1, 0), (2, 0), (3, 0), (1, 2), (1, 3), (2, 3)]:
+            with threads(t, r):
+                out[t, r] = _decode(q, kv, bt, lens, rows)
+        assert all(torch.equal(v, out[1, 0]) for v in out.values())
 
 
 def _busy_loop_on(cpu: int) -> subprocess.Popen:
@@ -113,24 +113,26 @@ def test_items_a_descheduled_helper_holds_are_redone_and_the_results_stay_exact(
     assert custom_ops.redone_items() > before, f"no item was redone in {calls} calls"
 
 
-def _child_product(queue, x, w, want):
-    packed = custom_ops.pack_gemm_weight(w)
-    torch.set_num_threads(2)
-    queue.put(torch.equal(custom_ops.packed_gemm(x, packed, w.shape[0]), want))
+def _child_product(queue, x, packed, want):
+    torch.set_num_threads(1)
+    custom_ops.set_redoable_threads(2)
+    queue.put(torch.equal(custom_ops.packed_gemm(x, packed, want.shape[1]), want))
 
 
 @needs_gemm
 def test_a_forked_child_runs_the_kernels_on_threads_of_its_own():
     """The child of a fork has none of the parent's helper threads: its pool is a new one (pthread_atfork), so a
-    region there neither waits for helpers that do not exist nor deadlocks on a lock held at the fork. (``pack_gemm_weight`` on PyTorch's
-    ``at::parallel_for`` hung in such a child here; it runs on these threads now.)"""
+    region there neither waits for helpers that do not exist nor deadlocks on a lock held at the fork. (The child
+    does not run OpenMP: a region of PyTorch's GNU OpenMP in a child forked after the parent ran one hangs.)"""
     g = torch.Generator().manual_seed(2)
     w, x = torch.randn(500, 64, generator=g), torch.randn(40, 64, generator=g)
-    with threads(2):
-        want = custom_ops.packed_gemm(x, custom_ops.pack_gemm_weight(w), 500)  # the parent's helpers exist now
+    packed = custom_ops.pack_gemm_weight(w)
+    want = custom_ops.packed_gemm(x, packed, 500)
+    with threads(1, 2):
+        assert torch.equal(custom_ops.packed_gemm(x, packed, 500), want)  # the parent's helpers exist now
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child_product, args=(queue, x, w, want))
+    child = ctx.Process(target=_child_product, args=(queue, x, packed, want))
     child.start()
     child.join(60)
     if child.exitcode is None:
