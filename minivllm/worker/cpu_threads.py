@@ -9,12 +9,13 @@ process holds one of the CPUs, each region waits for the thread that shares that
 slower with two threads than with one: on the AVX-512 class, 170.4 output tok/s idle fell to 49.3 with two threads
 and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIONS.md``, issue 27).
 
-minivllm's float32 products and decode attention, most of a step's time, no longer wait so: the calling thread redoes
-an item that a descheduled helper thread holds (``csrc/thread_pool.h``). The governor therefore runs them on every CPU
-of the process whatever the load (``custom_ops.set_redoable_threads``), and its count applies to the rest, PyTorch's
-operators and minivllm's other kernels: with a busy second core, the 32-request benchmark gave 116.6 and 119.0 output
-tok/s against 103.0 with every kernel on one thread, on the AVX-512 class (OPTIMISATIONS.md, "Kernels that do not wait
-for a descheduled thread").
+minivllm's float32 products and decode attention, most of a step's time, need not wait so: the calling thread can redo
+an item that a descheduled helper thread holds (``csrc/thread_pool.h``). The governor gives them every CPU of the
+process (``custom_ops.set_redoable_threads``), so while it has lowered torch's count they run on helper threads of
+their own and keep the time a busy CPU has left, and its count applies to the rest, PyTorch's operators and minivllm's
+other kernels: with a busy second core, the 32-request benchmark read 118.7 and 121.2 output tok/s against 98.6 and
+99.4 with every kernel on one thread, on the AVX-512 class (OPTIMISATIONS.md, "Kernels that do not wait for a
+descheduled thread").
 
 :class:`CpuThreadGovernor` reads at the end of each step how much CPU time the machine's other processes used on this
 process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor counts as used)
