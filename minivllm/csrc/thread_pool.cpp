@@ -126,12 +126,13 @@ void start_helpers(Pool& p, int64_t wanted) {
 
 void run_redoable(std::shared_ptr<RedoableItems> items, int64_t threads) {
   const int64_t n = items->n;
+  auto alone = [&] {
+    for (int64_t i = 0; i < n; ++i) items->compute(i, nullptr);
+  };
+  if (in_region) return alone();  // called from an item: the lock below is this thread's already
   Pool& p = pool();
   std::unique_lock<std::mutex> lock(p.caller, std::try_to_lock);
-  if (!lock.owns_lock() || in_region) {  // another thread's region is running: this one on the calling thread
-    for (int64_t i = 0; i < n; ++i) items->compute(i, nullptr);
-    return;
-  }
+  if (!lock.owns_lock()) return alone();  // another thread's region is running: this one on the calling thread
   if (p.helpers < threads - 1) start_helpers(p, threads - 1);
   auto r = std::make_shared<Region>();
   r->items = std::move(items);
