@@ -361,3 +361,9 @@ def redone_items() -> int:
     """How many work items of those kernels the calling thread has redone in this process because the helper thread
     that held them had not finished (``csrc/thread_pool.h``); 0 where the kernels are not loaded."""
     return int(_ops().redone_items()) if _state["loaded"] else 0
+
+
+def helped_items() -> int:
+    """How many work items of those kernels helper threads have computed and committed in this process; 0 where the
+    kernels are not loaded."""
+    return int(_ops().helped_items()) if _state["loaded"] else 0

@@ -236,16 +236,28 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
   // One register wide (kLanes): a 16-lane GCC vector under AVX2 goes through the stack in 16-byte pieces.
   using VL = Lanes<kLanes>::f;
+  // The lengths, rows and block ids this call checked, owned by the items: a helper that finishes after the call has
+  // returned must not read a block table the caller has since rewritten.
+  auto own = std::make_shared<std::vector<int64_t>>();
+  own->reserve(num_reqs * (2 + max_blocks));
+  own->insert(own->end(), len_ptr, len_ptr + num_reqs);
+  own->insert(own->end(), row_ptr, row_ptr + num_reqs);
+  for (int64_t r = 0; r < num_reqs; ++r)
+    own->insert(own->end(), bt_ptr + r * bt_stride, bt_ptr + r * bt_stride + max_blocks);
+  len_ptr = own->data();
+  row_ptr = own->data() + num_reqs;
+  bt_ptr = own->data() + 2 * num_reqs;
+  const int64_t bt_row = max_blocks;
   auto items = std::make_shared<RedoableItems>();
   items->n = num_reqs * items_per_req;
   items->scratch_floats = (qh_per_item * head_dim * int64_t(sizeof(T)) + 3) / 4;  // one item's output, as T
   items->keep = {out, query, kv_cache, block_table, seq_lens, query_rows};
-  items->commit = [=](int64_t item, const float* scratch) {
+  items->commit = [=, own = own](int64_t item, const float* scratch) {
     const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
     const T* src = reinterpret_cast<const T*>(scratch);
     std::copy(src, src + qh_per_item * head_dim, out_ptr + row_ptr[r] * out_row_stride + h0 * group * head_dim);
   };
-  items->compute = [=](int64_t item, float* scratch) {
+  items->compute = [=, own = own](int64_t item, float* scratch) {
     // Each thread's working memory, kept from one item to the next.
     thread_local std::vector<float> q, acc, logits, part;
     thread_local std::vector<VL> accl;
@@ -258,7 +270,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
       const int64_t r = item / items_per_req, h0 = (item % items_per_req) * heads_per_item;
       const int64_t len = len_ptr[r];
       const int64_t row = row_ptr[r];
-      const int64_t* blocks = bt_ptr + r * bt_stride;
+      const int64_t* blocks = bt_ptr + r * bt_row;
       // This item's query heads are h0 * group .. (h0 + heads_per_item) * group - 1: adjacent in the query row.
       const T* q_raw = q_ptr + row * q_row_stride + h0 * group * head_dim;
       // Scores q . k for every key 0 .. len-1, block by block: logits[query head, pos].

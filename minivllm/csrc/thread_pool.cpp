@@ -41,6 +41,7 @@ struct Region {
   std::shared_ptr<RedoableItems> items;
   std::unique_ptr<std::atomic<uint8_t>[]> state;
   std::atomic<int64_t> next{0};  // hands out items; the state decides who computes one
+  std::atomic<int64_t> seats{0};  // helpers the region still takes (its thread count less the caller)
 };
 
 struct Pool {
@@ -56,6 +57,7 @@ struct Pool {
 std::atomic<Pool*> the_pool{nullptr};
 std::atomic<int64_t> redoable_override{0};
 std::atomic<int64_t> redone{0};
+std::atomic<int64_t> helped{0};
 thread_local bool in_region = false;
 
 // The child of a fork has none of the parent's helpers, and a lock of the old pool may be held: a fresh pool (the
@@ -76,16 +78,19 @@ Pool& pool() {
 void help(Region& r) {
   thread_local std::vector<float> scratch;
   const RedoableItems& it = *r.items;
+  if (r.seats.fetch_sub(1, std::memory_order_relaxed) <= 0) return;  // more helpers started than this region takes
   in_region = true;
   for (int64_t i; (i = r.next.fetch_add(1, std::memory_order_relaxed)) < it.n;) {
     uint8_t s = kFree;
     if (!r.state[i].compare_exchange_strong(s, kTaken, std::memory_order_acq_rel)) continue;
-    if (scratch.size() < size_t(it.scratch_floats)) scratch.resize(it.scratch_floats);
+    const size_t want = size_t(std::max<int64_t>(it.scratch_floats, 1));
+    if (scratch.size() < want) scratch.resize(want);
     it.compute(i, scratch.data());
     s = kTaken;
     if (r.state[i].compare_exchange_strong(s, kCommitting, std::memory_order_acq_rel)) {
       it.commit(i, scratch.data());
       r.state[i].store(kDone, std::memory_order_release);  // the caller reads the output after seeing this
+      helped.fetch_add(1, std::memory_order_relaxed);
     }
   }
   in_region = false;
@@ -137,6 +142,7 @@ void run_redoable(std::shared_ptr<RedoableItems> items, int64_t threads) {
   auto r = std::make_shared<Region>();
   r->items = std::move(items);
   r->state.reset(new std::atomic<uint8_t>[n]);
+  r->seats.store(threads - 1, std::memory_order_relaxed);
   for (int64_t i = 0; i < n; ++i) r->state[i].store(kFree, std::memory_order_relaxed);
   {
     std::lock_guard<std::mutex> l(p.region_mutex);
@@ -187,8 +193,10 @@ void run_items(std::shared_ptr<RedoableItems> items) {
   const int64_t n = items->n, torch_threads = at::get_num_threads();
   const int64_t threads = std::min(redoable_threads(), kMaxThreads);
   if (threads > torch_threads && threads > 1 && n > 1) return run_redoable(std::move(items), threads);
-  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) items->compute(i, nullptr);
+  // Handed out one at a time, as parallel_for_dynamic (cpu_utils.h): items differ in size (requests' lengths).
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(torch_threads, n), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) items->compute(i, nullptr);
   });
 }
 
@@ -203,5 +211,7 @@ void set_redoable_threads(int64_t n) {
 }
 
 int64_t redone_items() { return redone.load(std::memory_order_relaxed); }
+
+int64_t helped_items() { return helped.load(std::memory_order_relaxed); }
 
 }  // namespace minivllm

@@ -3,9 +3,9 @@
 // so when another process holds one of the CPUs, every region waits for the thread that shares that CPU: minivllm's
 // thread governor (minivllm/worker/cpu_threads.py) then lowers torch's count to the CPUs left. These kernels can use
 // the CPU time the other process leaves: their items run on the calling thread and on helper threads of their own,
-// and the caller, once no item is left to hand out, redoes an item a helper has held for more than twice the caller's
-// time per item (a helper the OS took the CPU from in the middle of it) instead of waiting for that helper to be
-// scheduled again: the backup tasks of MapReduce (Dean and Ghemawat, OSDI 2004, section 3.6), at the scale of one
+// and the caller, once no item is left to hand out, redoes an item a helper still holds twice the caller's time per
+// item after the caller comes to it (a helper the OS took the CPU from in the middle of it) instead of waiting for that
+// helper to be scheduled again: the backup tasks of MapReduce (Dean and Ghemawat, OSDI 2004, section 3.6), at the scale of one
 // kernel call. A helper computes its item aside and commits it only if the caller has not redone it. minivllm only:
 // vLLM 0.32's CPU kernels run in OpenMP regions (`#pragma omp parallel for`, csrc/cpu/*.cpp).
 //
@@ -45,7 +45,9 @@ void run_items(std::shared_ptr<RedoableItems> items);
 int64_t redoable_threads();
 void set_redoable_threads(int64_t n);
 
-// How many items callers have redone since the process started (their helper still held them).
+// How many items callers have redone since the process started (their helper still held them), and how many
+// helpers have committed.
 int64_t redone_items();
+int64_t helped_items();
 
 }  // namespace minivllm

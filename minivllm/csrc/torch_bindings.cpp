@@ -32,6 +32,7 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.def("set_redoable_threads(int n) -> ()", &minivllm::set_redoable_threads);
   m.def("redoable_threads() -> int", &minivllm::redoable_threads);
   m.def("redone_items() -> int", &minivllm::redone_items);
+  m.def("helped_items() -> int", &minivllm::helped_items);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) qk, int num_rotated, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &minivllm::rotary_embedding);
 }
