@@ -41,7 +41,7 @@ import platform
 import shutil
 import warnings
 from pathlib import Path
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -355,6 +355,30 @@ def redoable_threads() -> int:
     (``set_redoable_threads``, else ``torch.get_num_threads()``); ``torch.get_num_threads()`` where the kernels are
     not loaded."""
     return int(_ops().redoable_threads()) if _state["loaded"] else torch.get_num_threads()
+
+
+def set_helper_cpus(cpus: Sequence[int]) -> bool:
+    """The CPUs the helper threads of ``packed_gemm`` and ``paged_attention_decode`` may run on (their sched
+    affinity), applied by each helper before its next work item; an empty list leaves their affinity as it is (at a
+    helper's start, that of the thread that started it). minivllm's thread governor keeps them off the CPU of the
+    thread that runs the step while torch's count is one (``minivllm/worker/cpu_threads.py``). Returns whether the
+    list was set: False, doing nothing, where the kernels are not loaded.
+
+    Raises:
+        ValueError: a CPU number below 0 (the kernel raises RuntimeError for one at or above ``CPU_SETSIZE``, 1024).
+    """
+    cpus = [int(c) for c in cpus]
+    if any(c < 0 for c in cpus):
+        raise ValueError(f"set_helper_cpus: cpus must be >= 0, got {cpus}")
+    if not _state["loaded"]:
+        return False
+    _ops().set_helper_cpus(cpus)
+    return True
+
+
+def helper_cpus() -> List[int]:
+    """The list ``set_helper_cpus`` last set (empty: affinity left alone, and where the kernels are not loaded)."""
+    return [int(c) for c in _ops().helper_cpus()] if _state["loaded"] else []
 
 
 def redone_items() -> int:

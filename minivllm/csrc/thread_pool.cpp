@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
 #include <pthread.h>
+#include <sched.h>
 
 #include <algorithm>
 #include <atomic>
@@ -60,6 +61,27 @@ std::atomic<int64_t> redone{0};
 std::atomic<int64_t> helped{0};
 thread_local bool in_region = false;
 
+// set_helper_cpus: the list and its version; each helper applies a version it has not seen.
+std::mutex cpus_mutex;
+std::vector<int64_t> cpus_list;
+std::atomic<uint64_t> cpus_version{0};
+
+void apply_helper_cpus(uint64_t& seen) {
+  const uint64_t v = cpus_version.load(std::memory_order_acquire);
+  if (v == seen) return;
+  std::vector<int64_t> cpus;
+  {
+    std::lock_guard<std::mutex> lock(cpus_mutex);
+    cpus = cpus_list;
+    seen = cpus_version.load(std::memory_order_relaxed);
+  }
+  if (cpus.empty()) return;
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  for (int64_t c : cpus) CPU_SET(static_cast<int>(c), &set);
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // a CPU since taken away: the OS keeps the old mask
+}
+
 // The child of a fork has none of the parent's helpers, and a lock of the old pool may be held: a fresh pool (the
 // old one is leaked).
 void reset_after_fork() { the_pool.store(new Pool(), std::memory_order_relaxed); }
@@ -99,6 +121,8 @@ void help(Region& r) {
 void helper_main(Pool* pp) {
   Pool& p = *pp;
   uint32_t seen = p.epoch.load(std::memory_order_acquire);
+  uint64_t cpus_seen = 0;
+  apply_helper_cpus(cpus_seen);
   for (;;) {
     const auto t0 = Clock::now();
     for (uint32_t k = 0;; ++k) {
@@ -120,6 +144,7 @@ void helper_main(Pool* pp) {
       std::lock_guard<std::mutex> lock(p.region_mutex);
       r = p.region;
     }
+    apply_helper_cpus(cpus_seen);
     if (r) help(*r);
   }
 }
@@ -208,6 +233,19 @@ int64_t redoable_threads() {
 void set_redoable_threads(int64_t n) {
   TORCH_CHECK(n >= 0, "set_redoable_threads: n must be >= 0 (0: follow torch.set_num_threads), got ", n);
   redoable_override.store(n, std::memory_order_relaxed);
+}
+
+void set_helper_cpus(const std::vector<int64_t>& cpus) {
+  for (int64_t c : cpus)
+    TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "set_helper_cpus: cpus must be within 0..", CPU_SETSIZE - 1, ", got ", c);
+  std::lock_guard<std::mutex> lock(cpus_mutex);
+  cpus_list = cpus;
+  cpus_version.fetch_add(1, std::memory_order_release);
+}
+
+std::vector<int64_t> helper_cpus() {
+  std::lock_guard<std::mutex> lock(cpus_mutex);
+  return cpus_list;
 }
 
 int64_t redone_items() { return redone.load(std::memory_order_relaxed); }

@@ -33,6 +33,8 @@ TORCH_LIBRARY(minivllm_cpu, m) {
   m.def("redoable_threads() -> int", &minivllm::redoable_threads);
   m.def("redone_items() -> int", &minivllm::redone_items);
   m.def("helped_items() -> int", &minivllm::helped_items);
+  m.def("set_helper_cpus(int[] cpus) -> ()", [](std::vector<int64_t> cpus) { minivllm::set_helper_cpus(cpus); });
+  m.def("helper_cpus() -> int[]", &minivllm::helper_cpus);
   m.def("rotary_embedding(Tensor positions, Tensor(a!) qk, int num_rotated, Tensor cos, Tensor sin) -> ()");
   m.impl("rotary_embedding", c10::DispatchKey::CPU, &minivllm::rotary_embedding);
 }

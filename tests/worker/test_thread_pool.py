@@ -6,6 +6,7 @@ import multiprocessing
 import os
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -151,3 +152,48 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own():
         child.kill()
     assert child.exitcode == 0
     assert queue.get(timeout=5) == (True, True)
+
+
+@needs_gemm
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_helpers_run_on_the_cpus_they_are_given():
+    """``set_helper_cpus``: each helper takes the new CPUs before its next item (the governor keeps them off the
+    step thread's CPU); the thread that calls the kernels keeps its own."""
+    cpus = sorted(os.sched_getaffinity(0))
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(3072, 576, generator=g), torch.randn(20, 576, generator=g)
+    packed = custom_ops.pack_gemm_weight(w)
+
+    def run_until_a_helper_commits():
+        helped = custom_ops.helped_items()
+        for _ in range(2000):
+            custom_ops.packed_gemm(x, packed, 3072)
+            if custom_ops.helped_items() > helped:
+                return
+        pytest.fail("no helper committed an item")
+
+    def masks():
+        me = threading.get_native_id()
+        return [os.sched_getaffinity(int(t)) for t in os.listdir("/proc/self/task") if int(t) != me]
+
+    try:
+        with threads(1, 2):
+            run_until_a_helper_commits()
+            custom_ops.set_helper_cpus([cpus[-1]])
+            run_until_a_helper_commits()
+            assert {cpus[-1]} in masks()
+            assert os.sched_getaffinity(0) == set(cpus)
+            custom_ops.set_helper_cpus(cpus)
+            run_until_a_helper_commits()
+            assert {cpus[-1]} not in masks()
+    finally:
+        custom_ops.set_helper_cpus(cpus)
+
+
+def test_set_helper_cpus_refuses_cpus_outside_the_mask_range():
+    with pytest.raises(ValueError, match="cpus must be >= 0"):
+        custom_ops.set_helper_cpus([0, -1])
+    before = custom_ops.helper_cpus()
+    with pytest.raises(RuntimeError, match="within 0..1023"):
+        custom_ops.set_helper_cpus([1024])
+    assert custom_ops.helper_cpus() == before
