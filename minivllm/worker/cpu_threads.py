@@ -15,7 +15,10 @@ process (``custom_ops.set_redoable_threads``), so while it has lowered torch's c
 their own and keep the time a busy CPU has left, and its count applies to the rest, PyTorch's operators and minivllm's
 other kernels: with a busy second core, the 32-request benchmark read 118.7 and 121.2 output tok/s against 98.6 and
 99.4 with every kernel on one thread, on the AVX-512 class (OPTIMISATIONS.md, "Kernels that do not wait for a
-descheduled thread").
+descheduled thread"). While torch's count is one, the governor also keeps the thread that runs the step on its CPU
+and the helpers on the others (``custom_ops.set_helper_cpus``): left to the OS, a helper moved onto the step thread's
+CPU, away from the busy one, and took that thread's time; placed, the same benchmark read 134.6 and 137.9
+(OPTIMISATIONS.md, "The step's CPU and the helpers' CPUs").
 
 :class:`CpuThreadGovernor` reads at the end of each step how much CPU time the machine's other processes used on this
 process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor counts as used)
