@@ -61,19 +61,26 @@ std::atomic<int64_t> redone{0};
 std::atomic<int64_t> helped{0};
 thread_local bool in_region = false;
 
-// set_helper_cpus: the list and its version; each helper applies a version it has not seen.
-std::mutex cpus_mutex;
-std::vector<int64_t> cpus_list;
-std::atomic<uint64_t> cpus_version{0};
+// set_helper_cpus: the list and its version; each helper applies a version it has not seen. Never destroyed, as the
+// pool: at exit, a helper may still read it.
+struct HelperCpus {
+  std::mutex mutex;
+  std::vector<int64_t> list;
+  std::atomic<uint64_t> version{0};
+};
+HelperCpus& helper_cpu_list() {
+  static HelperCpus* const h = new HelperCpus();
+  return *h;
+}
 
 void apply_helper_cpus(uint64_t& seen) {
-  const uint64_t v = cpus_version.load(std::memory_order_acquire);
-  if (v == seen) return;
+  HelperCpus& h = helper_cpu_list();
+  if (h.version.load(std::memory_order_acquire) == seen) return;
   std::vector<int64_t> cpus;
   {
-    std::lock_guard<std::mutex> lock(cpus_mutex);
-    cpus = cpus_list;
-    seen = cpus_version.load(std::memory_order_relaxed);
+    std::lock_guard<std::mutex> lock(h.mutex);
+    cpus = h.list;
+    seen = h.version.load(std::memory_order_relaxed);
   }
   if (cpus.empty()) return;
   cpu_set_t set;
@@ -121,6 +128,7 @@ void help(Region& r) {
 void helper_main(Pool* pp) {
   Pool& p = *pp;
   uint32_t seen = p.epoch.load(std::memory_order_acquire);
+  pthread_setname_np(pthread_self(), "minivllm-helper");  // as `top -H` and /proc/<pid>/task/<tid>/comm show it
   uint64_t cpus_seen = 0;
   apply_helper_cpus(cpus_seen);
   for (;;) {
@@ -238,14 +246,16 @@ void set_redoable_threads(int64_t n) {
 void set_helper_cpus(const std::vector<int64_t>& cpus) {
   for (int64_t c : cpus)
     TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "set_helper_cpus: cpus must be within 0..", CPU_SETSIZE - 1, ", got ", c);
-  std::lock_guard<std::mutex> lock(cpus_mutex);
-  cpus_list = cpus;
-  cpus_version.fetch_add(1, std::memory_order_release);
+  HelperCpus& h = helper_cpu_list();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  h.list = cpus;
+  h.version.fetch_add(1, std::memory_order_release);
 }
 
 std::vector<int64_t> helper_cpus() {
-  std::lock_guard<std::mutex> lock(cpus_mutex);
-  return cpus_list;
+  HelperCpus& h = helper_cpu_list();
+  std::lock_guard<std::mutex> lock(h.mutex);
+  return h.list;
 }
 
 int64_t redone_items() { return redone.load(std::memory_order_relaxed); }
