@@ -359,10 +359,11 @@ def redoable_threads() -> int:
 
 def set_helper_cpus(cpus: Sequence[int]) -> bool:
     """The CPUs the helper threads of ``packed_gemm`` and ``paged_attention_decode`` may run on (their sched
-    affinity), applied by each helper before its next work item; an empty list leaves their affinity as it is (at a
-    helper's start, that of the thread that started it). minivllm's thread governor keeps them off the CPU of the
-    thread that runs the step while torch's count is one (``minivllm/worker/cpu_threads.py``). Returns whether the
-    list was set: False, doing nothing, where the kernels are not loaded.
+    affinity), applied by each helper when it next wakes for a call of those kernels; an empty list, the default (and
+    in a forked child), leaves their affinity as it is (at a helper's start, that of the thread that started it).
+    minivllm's thread governor keeps them off the CPU of the thread that runs the step while torch's count is one
+    (``minivllm/worker/cpu_threads.py``). Returns whether the list was set: False, doing nothing, where the kernels
+    are not loaded.
 
     Raises:
         ValueError: a CPU number below 0 (the kernel raises RuntimeError for one at or above ``CPU_SETSIZE``, 1024).

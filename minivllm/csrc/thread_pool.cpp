@@ -61,17 +61,16 @@ std::atomic<int64_t> redone{0};
 std::atomic<int64_t> helped{0};
 thread_local bool in_region = false;
 
-// set_helper_cpus: the list and its version; each helper applies a version it has not seen. Never destroyed, as the
-// pool: at exit, a helper may still read it.
+// set_helper_cpus: the list and its version; each helper applies a version it has not seen when it wakes for a
+// region. Never destroyed, as the pool: at exit, a helper may still read it. A forked child gets an empty one (its
+// helpers are new, and the old one's mutex may be held at the fork).
 struct HelperCpus {
   std::mutex mutex;
   std::vector<int64_t> list;
   std::atomic<uint64_t> version{0};
 };
-HelperCpus& helper_cpu_list() {
-  static HelperCpus* const h = new HelperCpus();
-  return *h;
-}
+std::atomic<HelperCpus*> the_cpus{new HelperCpus()};
+HelperCpus& helper_cpu_list() { return *the_cpus.load(std::memory_order_acquire); }
 
 void apply_helper_cpus(uint64_t& seen) {
   HelperCpus& h = helper_cpu_list();
@@ -86,12 +85,16 @@ void apply_helper_cpus(uint64_t& seen) {
   cpu_set_t set;
   CPU_ZERO(&set);
   for (int64_t c : cpus) CPU_SET(static_cast<int>(c), &set);
-  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);  // a CPU since taken away: the OS keeps the old mask
+  // Fails, leaving the mask as it was, only when none of the CPUs is one this thread may run on.
+  pthread_setaffinity_np(pthread_self(), sizeof(set), &set);
 }
 
 // The child of a fork has none of the parent's helpers, and a lock of the old pool may be held: a fresh pool (the
 // old one is leaked).
-void reset_after_fork() { the_pool.store(new Pool(), std::memory_order_relaxed); }
+void reset_after_fork() {
+  the_pool.store(new Pool(), std::memory_order_relaxed);
+  the_cpus.store(new HelperCpus(), std::memory_order_release);
+}
 
 // Never destroyed: at exit, helpers may still be waiting on it.
 Pool& pool() {
@@ -246,6 +249,7 @@ void set_redoable_threads(int64_t n) {
 void set_helper_cpus(const std::vector<int64_t>& cpus) {
   for (int64_t c : cpus)
     TORCH_CHECK(c >= 0 && c < CPU_SETSIZE, "set_helper_cpus: cpus must be within 0..", CPU_SETSIZE - 1, ", got ", c);
+  (void)pool();  // registers the fork handler that empties the list in a child
   HelperCpus& h = helper_cpu_list();
   std::lock_guard<std::mutex> lock(h.mutex);
   h.list = cpus;

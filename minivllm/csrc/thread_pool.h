@@ -45,10 +45,11 @@ void run_items(std::shared_ptr<RedoableItems> items);
 int64_t redoable_threads();
 void set_redoable_threads(int64_t n);
 
-// The CPUs the helper threads may run on (sched affinity), applied by each helper before its next item; an empty
-// list, the default, leaves their affinity alone (at a helper's start, its creator's). minivllm's thread governor
-// keeps the helpers off the CPU of the thread that runs the step while torch's count is one: a helper that the OS
-// moves onto that CPU takes the step's thread's time instead of a busy CPU's (minivllm/worker/cpu_threads.py).
+// The CPUs the helper threads may run on (sched affinity), applied by each helper when it next wakes for a call; an
+// empty list, the default (and in a forked child), leaves their affinity alone (at a helper's start, its creator's).
+// minivllm's thread governor keeps the helpers off the CPU of the thread that runs the step while torch's count is
+// one: a helper that the OS moves onto that CPU takes the step's thread's time instead of a busy CPU's
+// (minivllm/worker/cpu_threads.py).
 // Raises (TORCH_CHECK) on a CPU outside 0 .. CPU_SETSIZE - 1.
 void set_helper_cpus(const std::vector<int64_t>& cpus);
 std::vector<int64_t> helper_cpus();

@@ -42,7 +42,6 @@ every step of a mixed run checked on the AVX-512 class.
 from __future__ import annotations
 
 import os
-import threading
 import time
 import weakref
 from typing import Callable, List, Optional, Tuple
@@ -55,10 +54,6 @@ from minivllm import custom_ops
 INTERVAL_S = 0.5
 #: A pause between two steps longer than this (seconds) is idle time: it ends a stretch of stepping.
 IDLE_GAP_S = 0.05
-
-#: Above this share of its time spent waiting for a CPU since the last decision (run-queue delay over run time plus
-#: delay), the thread that runs the step shares its CPU with another runnable thread: it moves to the next CPU.
-STEP_CPU_WAIT_SHARE = 0.25
 
 #: One reading: (clock seconds, busy CPU seconds of every process on this process's CPUs, this process's CPU seconds).
 Reading = Tuple[float, float, float]
@@ -92,26 +87,14 @@ def process_cpus() -> List[int]:
     return list(range(os.cpu_count() or 1))
 
 
-def thread_sched() -> Tuple[int, int, int]:
-    """The calling thread's CPU, and the nanoseconds it has run and has waited for a CPU while runnable
-    (``/proc/thread-self/stat``'s ``processor`` field, ``/proc/thread-self/schedstat``).
+def thread_cpu() -> int:
+    """The CPU the calling thread runs on now (``/proc/thread-self/stat``'s ``processor`` field).
 
     Raises:
-        OSError: no ``/proc/thread-self`` or no ``schedstat`` in it (not Linux, Linux before 3.17, or a kernel
-            without ``CONFIG_SCHED_INFO``).
+        OSError: no ``/proc/thread-self`` (not Linux, or Linux before 3.17).
     """
     with open("/proc/thread-self/stat") as f:
-        cpu = int(f.read().rsplit(")", 1)[1].split()[36])
-    with open("/proc/thread-self/schedstat") as f:
-        run, wait = (int(v) for v in f.read().split()[:2])
-    return cpu, run, wait
-
-
-def _set_thread_cpus(tid: int, cpus: List[int]) -> None:
-    try:
-        os.sched_setaffinity(tid, cpus)
-    except OSError:  # the thread has ended
-        pass
+        return int(f.read().rsplit(")", 1)[1].split()[36])
 
 
 def own_cpu_seconds() -> float:
@@ -128,6 +111,7 @@ class CpuThreadGovernor:
         max_threads: the count when the machine is otherwise idle (the CPUs this process may use).
         interval_s: seconds of stepping between two decisions.
         clock, busy_seconds, own_seconds: where time and CPU use are read (tests pass their own).
+        step_thread_cpu: where the CPU of the thread that runs the step is read (tests pass their own).
 
     Attributes:
         threads: the count the last reading decided. changes: how many times a count was set.
@@ -140,7 +124,7 @@ class CpuThreadGovernor:
                  clock: Callable[[], float] = time.monotonic,
                  busy_seconds: Optional[Callable[[], float]] = None,
                  own_seconds: Callable[[], float] = own_cpu_seconds,
-                 step_thread_sched: Callable[[], Tuple[int, int, int]] = thread_sched) -> None:
+                 step_thread_cpu: Callable[[], int] = thread_cpu) -> None:
         if max_threads < 1:
             raise ValueError(f"max_threads must be >= 1, got {max_threads}")
         if interval_s <= 0:
@@ -156,11 +140,11 @@ class CpuThreadGovernor:
         self._stepping_s = self._others_s = 0.0  # stepping seconds since the last decision, others' CPU seconds in them
         self._pause_others: Optional[float] = None  # CPUs others used in the pause before this step, if there was one
         self.threads, self.changes = torch.get_num_threads(), 0
-        self._cpus, self._sched = cpus, step_thread_sched
-        # The step's thread while it is kept on one CPU: [tid, cpu, run ns, wait ns at the last decision], else None.
-        self._placed: List[Optional[List[int]]] = [None]
+        self._cpus, self._step_cpu = cpus, step_thread_cpu
+        # The CPUs this governor gave the kernels' helpers, else None; a list, so that the finalizer sees it.
+        self._helpers: List[Optional[List[int]]] = [None]
         # Give the count back when the engine goes, so that later work in the process gets the machine's default.
-        self._finalizer = weakref.finalize(self, _give_back, self.threads, self._placed, cpus)
+        self._finalizer = weakref.finalize(self, _give_back, self.threads, self._helpers, cpus)
 
     def _read(self) -> Reading:
         return self._clock(), self._busy(), self._own()
@@ -235,8 +219,7 @@ class CpuThreadGovernor:
         if self._pause_others is not None:
             target = max(target, self._higher(self._pause_others))
         self.threads = target
-        # Before torch's count rises: OpenMP threads started from a thread kept on one CPU would inherit its mask.
-        self._place_step_thread(target, decided=others is not None)
+        self._place_helpers(target, decided=others is not None)
         if target != current:
             torch.set_num_threads(target)
             self.changes += 1
@@ -245,42 +228,29 @@ class CpuThreadGovernor:
         custom_ops.set_redoable_threads(self.max_threads)
         return target
 
-    def _place_step_thread(self, threads: int, decided: bool) -> None:
-        """While torch's count is one, keep the thread that runs the step on one CPU and the kernels' helper threads
-        on the others (``custom_ops.set_helper_cpus``). Left to the OS, a helper often moves onto the step's CPU,
-        away from the CPU another process keeps busy, and takes the step's thread's time there: with a loop pinned
-        to the second CPU of two, the step's thread waited 3.0-3.2 s for its CPU in a 21 s run of the 32-request
-        benchmark, 0.1-0.2 s when placed (OPTIMISATIONS.md, "The step's CPU and the helpers' CPUs"). The step's
-        thread stays on the CPU it was running on; when at a decision it has waited for that CPU more than
-        ``STEP_CPU_WAIT_SHARE`` of the time since the last (another runnable thread shares it), it moves to the
-        next CPU of the process's. At a count above one every thread gets the process's CPUs back, before torch's
-        OpenMP threads can be started from the step's thread. minivllm only: vLLM 0.32 binds its OpenMP threads
-        once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``)."""
-        placed = self._placed[0]
+    def _place_helpers(self, threads: int, decided: bool) -> None:
+        """While torch's count is one, keep the kernels' helper threads off the CPU that the thread running the step
+        is on (``custom_ops.set_helper_cpus``), looked up again at each decision; at a count above one, and when the
+        governor closes, give them every CPU of the process again. Left to the OS, with a loop pinned to the second
+        CPU of two, the step's thread waited 3.0-3.2 s for its CPU in 21 s runs of the 32-request benchmark: nothing
+        of minivllm's but the helper could have been runnable there (the loop could not), so the OS had moved the
+        helper onto it, away from the loop's CPU. With the helpers kept off it, 0.1-0.2 s (OPTIMISATIONS.md, "The
+        step's CPU and the helpers' CPUs"). The step's thread itself is not pinned: on a CPU that another process
+        shares, the OS moves it, here to the CPU the helpers had, and the next decision gives them the other; a
+        thread pinned for the step would pass its one-CPU mask to every thread it starts. minivllm only: vLLM 0.32
+        binds its OpenMP threads once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``)."""
         if threads != 1 or len(self._cpus) < 2:
-            if placed is not None:
-                _unplace(self._placed, self._cpus)
+            _give_helpers_back(self._helpers, self._cpus)
             return
-        tid = threading.get_native_id()
-        if placed is not None and placed[0] == tid and not decided:
+        if self._helpers[0] is not None and not decided:
             return
         try:
-            cpu, run, wait = self._sched()
+            cpu = self._step_cpu()
         except OSError:
             return
-        if placed is not None and placed[0] == tid:
-            share = (wait - placed[3]) / max(run - placed[2] + wait - placed[3], 1)
-            placed[2:] = [run, wait]
-            if share <= STEP_CPU_WAIT_SHARE:
-                return
-            cpu = self._cpus[(self._cpus.index(placed[1]) + 1) % len(self._cpus)] if placed[1] in self._cpus else cpu
-        elif placed is not None:  # steps now come from another thread: the old one gets every CPU back
-            _set_thread_cpus(placed[0], self._cpus)
-        if cpu not in self._cpus or not custom_ops.set_helper_cpus([c for c in self._cpus if c != cpu]):
-            self._placed[0] = None
-            return
-        _set_thread_cpus(tid, [cpu])
-        self._placed[0] = [tid, cpu, run, wait]
+        helpers = [c for c in self._cpus if c != cpu]
+        if helpers != self._helpers[0] and custom_ops.set_helper_cpus(helpers):
+            self._helpers[0] = helpers
 
     def step_done(self) -> None:
         """Mark the end of a step with a reading (``/proc/stat``: 20-40 us on a 2-core EPYC, against steps of 15 ms
@@ -293,16 +263,15 @@ class CpuThreadGovernor:
         self._finalizer()
 
 
-def _unplace(placed: List[Optional[List[int]]], cpus: List[int]) -> None:
-    """Every CPU of the process back to the step's thread kept on one (``placed[0]``) and to the helpers."""
-    if placed[0] is not None:
-        _set_thread_cpus(placed[0][0], cpus)
+def _give_helpers_back(helpers: List[Optional[List[int]]], cpus: List[int]) -> None:
+    """Every CPU of the process to the kernels' helpers, if this governor had given them fewer (``helpers[0]``)."""
+    if helpers[0] is not None:
         custom_ops.set_helper_cpus(cpus)
-        placed[0] = None
+        helpers[0] = None
 
 
-def _give_back(threads: int, placed: List[Optional[List[int]]], cpus: List[int]) -> None:
-    _unplace(placed, cpus)
+def _give_back(threads: int, helpers: List[Optional[List[int]]], cpus: List[int]) -> None:
+    _give_helpers_back(helpers, cpus)
     torch.set_num_threads(threads)
     custom_ops.set_redoable_threads(0)
 

@@ -2,6 +2,7 @@
 helpers, at any thread count; items redone when a helper is descheduled; a forked child that gets helpers of its
 own."""
 
+import json
 import multiprocessing
 import os
 import subprocess
@@ -121,6 +122,7 @@ def test_items_a_descheduled_helper_holds_are_redone_and_the_results_stay_exact(
 
 
 def _child_product(queue, x, packed, want):
+    cpus = custom_ops.helper_cpus()  # the parent's list is not the child's: its helpers are new
     torch.set_num_threads(1)
     custom_ops.set_redoable_threads(2)
     helped, equal = custom_ops.helped_items(), True
@@ -128,7 +130,7 @@ def _child_product(queue, x, packed, want):
         equal &= torch.equal(custom_ops.packed_gemm(x, packed, want.shape[1]), want)
         if custom_ops.helped_items() > helped:
             break
-    queue.put((equal, custom_ops.helped_items() > helped))
+    queue.put((equal, custom_ops.helped_items() > helped, cpus))
 
 
 @needs_gemm
@@ -144,13 +146,18 @@ def test_a_forked_child_runs_the_kernels_on_threads_of_its_own():
         assert torch.equal(custom_ops.packed_gemm(x, packed, 500), want)  # the parent's helpers exist now
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
-    child = ctx.Process(target=_child_product, args=(queue, x, packed, want))
-    child.start()
-    child.join(60)
+    before = custom_ops.helper_cpus()
+    custom_ops.set_helper_cpus(sorted(os.sched_getaffinity(0)))
+    try:
+        child = ctx.Process(target=_child_product, args=(queue, x, packed, want))
+        child.start()
+        child.join(60)
+    finally:
+        custom_ops.set_helper_cpus(before or sorted(os.sched_getaffinity(0)))
     if child.exitcode is None:
         child.kill()
     assert child.exitcode == 0
-    assert queue.get(timeout=5) == (True, True)
+    assert queue.get(timeout=5) == (True, True, [])
 
 
 @needs_gemm
@@ -189,6 +196,7 @@ def test_helpers_run_on_the_cpus_they_are_given():
                 return True
         return False
 
+    before = custom_ops.helper_cpus()
     try:
         with threads(1, 2):
             run_until_a_helper_commits()
@@ -198,7 +206,40 @@ def test_helpers_run_on_the_cpus_they_are_given():
             custom_ops.set_helper_cpus(cpus)
             assert run_until(lambda: all(m == set(cpus) for m in masks())), masks()
     finally:
-        custom_ops.set_helper_cpus(cpus)
+        custom_ops.set_helper_cpus(before or cpus)
+
+
+_FIRST_HELPERS = """
+import json, os, torch
+from minivllm import custom_ops
+cpus = sorted(os.sched_getaffinity(0))
+custom_ops.load()
+custom_ops.set_helper_cpus([cpus[-1]])  # before any helper exists
+torch.set_num_threads(1)
+custom_ops.set_redoable_threads(2)
+packed, x = custom_ops.pack_gemm_weight(torch.randn(3072, 576)), torch.randn(20, 576)
+for _ in range(2000):
+    custom_ops.packed_gemm(x, packed, 3072)
+    if custom_ops.helped_items():
+        break
+masks = []
+for t in os.listdir("/proc/self/task"):
+    with open(f"/proc/self/task/{t}/comm") as f:
+        if f.read().strip() == "minivllm-helper":
+            masks.append(sorted(os.sched_getaffinity(int(t))))
+print(json.dumps([masks, cpus[-1]]))
+"""
+
+
+@needs_gemm
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_helpers_started_after_the_list_is_set_take_it_at_once():
+    """The governor sets the list before the first call that starts the helpers: a new helper takes it at its
+    start, not only at a later change."""
+    out = subprocess.run([sys.executable, "-c", _FIRST_HELPERS], capture_output=True, text=True, timeout=120,
+                         check=True).stdout.strip().splitlines()[-1]
+    masks, cpu = json.loads(out)
+    assert masks == [[cpu]]
 
 
 def test_set_helper_cpus_refuses_cpus_outside_the_mask_range():
