@@ -15,10 +15,11 @@ process (``custom_ops.set_redoable_threads``), so while it has lowered torch's c
 their own and keep the time a busy CPU has left, and its count applies to the rest, PyTorch's operators and minivllm's
 other kernels: with a busy second core, the 32-request benchmark read 118.7 and 121.2 output tok/s against 98.6 and
 99.4 with every kernel on one thread, on the AVX-512 class (OPTIMISATIONS.md, "Kernels that do not wait for a
-descheduled thread"). While torch's count is one, the governor also keeps the thread that runs the step on its CPU
-and the helpers on the others (``custom_ops.set_helper_cpus``): left to the OS, a helper moved onto the step thread's
-CPU, away from the busy one, and took that thread's time; placed, the same benchmark read 134.6 and 137.9
-(OPTIMISATIONS.md, "The step's CPU and the helpers' CPUs").
+descheduled thread"). While torch's count is one, the governor also keeps the helpers off the CPU of the thread that
+runs the step (``custom_ops.set_helper_cpus``): with a loop pinned to the other CPU, the OS had moved the helper onto
+the step thread's CPU, away from the loop, where it took that thread's time; kept off it, the same benchmark read
+120.5 and 122.9 against 103.3 and 106.4 in alternating runs (OPTIMISATIONS.md, "The step's CPU and the helpers'
+CPUs").
 
 :class:`CpuThreadGovernor` reads at the end of each step how much CPU time the machine's other processes used on this
 process's CPUs (``/proc/stat`` less this process's own time, ``os.times``; time stolen by the hypervisor counts as used)
@@ -234,7 +235,7 @@ class CpuThreadGovernor:
         governor closes, give them every CPU of the process again. Left to the OS, with a loop pinned to the second
         CPU of two, the step's thread waited 3.0-3.2 s for its CPU in 21 s runs of the 32-request benchmark: nothing
         of minivllm's but the helper could have been runnable there (the loop could not), so the OS had moved the
-        helper onto it, away from the loop's CPU. With the helpers kept off it, 0.1-0.2 s (OPTIMISATIONS.md, "The
+        helper onto it, away from the loop's CPU. With the helpers kept off it, 0.07-0.20 s (OPTIMISATIONS.md, "The
         step's CPU and the helpers' CPUs"). The step's thread itself is not pinned: on a CPU that another process
         shares, the OS moves it, here to the CPU the helpers had, and the next decision gives them the other; a
         thread pinned for the step would pass its one-CPU mask to every thread it starts. minivllm only: vLLM 0.32
