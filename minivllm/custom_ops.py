@@ -151,6 +151,11 @@ def _ops():
     return torch.ops.minivllm_cpu
 
 
+def loaded() -> bool:
+    """Whether the kernels are loaded in this process, without loading (or building) them."""
+    return bool(_state["loaded"])
+
+
 def build_error() -> Optional[str]:
     """Why the kernels could not be built, or ``None``."""
     return _state["error"]

@@ -232,7 +232,7 @@ class CpuThreadGovernor:
     def _place_helpers(self, threads: int, decided: bool) -> None:
         """While torch's count is one, keep the kernels' helper threads off the CPU that the thread running the step
         is on (``custom_ops.set_helper_cpus``), looked up again at each decision; at a count above one, and when the
-        governor closes, give them every CPU of the process again. Left to the OS, with a loop pinned to the second
+        governor closes, set their list back to every CPU of the process (each helper takes it when it next wakes). Left to the OS, with a loop pinned to the second
         CPU of two, the step's thread waited 3.0-3.2 s for its CPU in 21 s runs of the 32-request benchmark: nothing
         of minivllm's but the helper could have been runnable there (the loop could not), so the OS had moved the
         helper onto it, away from the loop's CPU. With the helpers kept off it, 0.07-0.20 s (OPTIMISATIONS.md, "The
@@ -243,15 +243,23 @@ class CpuThreadGovernor:
         if threads != 1 or len(self._cpus) < 2:
             _give_helpers_back(self._helpers, self._cpus)
             return
-        if self._helpers[0] is not None and not decided:
+        if (self._helpers[0] is not None and not decided) or not custom_ops.loaded():
             return
         try:
             cpu = self._step_cpu()
-        except OSError:
+        except (OSError, ValueError, IndexError):  # no /proc/thread-self, or one laid out otherwise
             return
         helpers = [c for c in self._cpus if c != cpu]
-        if helpers != self._helpers[0] and custom_ops.set_helper_cpus(helpers):
+        # Against the kernels' list, not this governor's record of it: another engine's governor may have given the
+        # helpers every CPU back since, and a forked child starts with an empty list.
+        if helpers == custom_ops.helper_cpus():
             self._helpers[0] = helpers
+            return
+        try:
+            if custom_ops.set_helper_cpus(helpers):
+                self._helpers[0] = helpers
+        except RuntimeError:  # a CPU number past the kernel's mask (CPU_SETSIZE, 1024): the helpers keep theirs
+            pass
 
     def step_done(self) -> None:
         """Mark the end of a step with a reading (``/proc/stat``: 20-40 us on a 2-core EPYC, against steps of 15 ms
@@ -260,7 +268,8 @@ class CpuThreadGovernor:
         self._end = self._read()
 
     def close(self) -> None:
-        """Give torch its count from before (also done when the governor is collected)."""
+        """Give torch its count from before, and the kernels' helpers every CPU if this governor had given them fewer
+        (also done when the governor is collected)."""
         self._finalizer()
 
 

@@ -325,22 +325,68 @@ def test_on_one_thread_the_helpers_keep_off_the_step_threads_cpu(restore_threads
     assert custom_ops.helper_cpus() == cpus and os.sched_getaffinity(0) == set(cpus)
 
 
-@two_cpus
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 def test_nothing_is_placed_without_the_kernels(restore_threads, monkeypatch):
-    calls = []
+    """Not loaded: no lookup, no list. Loaded later, or a list the kernels refuse: tried again at the next step."""
+    calls, state = [], {"loaded": False}
+    monkeypatch.setattr(custom_ops, "loaded", lambda: state["loaded"])
+    monkeypatch.setattr(custom_ops, "helper_cpus", lambda: [])
     monkeypatch.setattr(custom_ops, "set_helper_cpus", lambda cpus: calls.append(cpus) or False)
     cpus = sorted(os.sched_getaffinity(0))
     torch.set_num_threads(2)
-    m = FakeMachine()
-    g = placing(m, StepCpu(cpus[0]))
+    m, step_cpu = FakeMachine(), StepCpu(cpus[0])
+    g = placing(m, step_cpu)
     try:
         m.run(1.0, ours=1.5, others=0.5)
-        assert g.update() == 1 and calls == [cpus[1:]]
+        assert g.update() == 1 and calls == []
+        state["loaded"] = True
         m.run(0.1, ours=1.0, others=1.0)
-        assert g.update() == 1 and len(calls) == 2  # tried again at the next step: the kernels may load later
+        assert g.update() == 1 and calls == [cpus[1:]]  # set_helper_cpus said False: not placed
+        m.run(0.1, ours=1.0, others=1.0)
+        assert g.update() == 1 and len(calls) == 2
     finally:
         g.close()
     assert len(calls) == 2  # closing gives back only what was given
+
+
+@two_cpus
+def test_a_step_cpu_that_cannot_be_read_places_nothing(restore_threads):
+    def unreadable():
+        raise ValueError("a /proc laid out otherwise")
+
+    cpus = sorted(os.sched_getaffinity(0))
+    before = custom_ops.helper_cpus()
+    torch.set_num_threads(2)
+    m = FakeMachine()
+    g = placing(m, unreadable)
+    try:
+        m.run(1.0, ours=1.5, others=0.5)
+        assert g.update() == 1 and custom_ops.helper_cpus() == before
+    finally:
+        g.close()
+    assert custom_ops.helper_cpus() == before and len(cpus) >= 2
+
+
+@two_cpus
+def test_a_second_governor_sets_its_list_again_after_the_first_closes(restore_threads):
+    """The list is the process's: when another engine's governor gives the helpers every CPU back, this one's next
+    decision keeps them off its step thread's CPU again."""
+    cpus = sorted(os.sched_getaffinity(0))
+    torch.set_num_threads(2)
+    ma, mb = FakeMachine(), FakeMachine()
+    a, b = placing(ma, StepCpu(cpus[0])), placing(mb, StepCpu(cpus[0]))
+    try:
+        for m, g in ((ma, a), (mb, b)):
+            m.run(1.0, ours=1.5, others=0.5)
+            assert g.update() == 1
+        assert custom_ops.helper_cpus() == cpus[1:]
+        a.close()
+        assert custom_ops.helper_cpus() == cpus
+        mb.run(1.0, ours=1.0, others=1.0)
+        assert b.update() == 1 and custom_ops.helper_cpus() == cpus[1:]
+    finally:
+        a.close()
+        b.close()
 
 
 @two_cpus
