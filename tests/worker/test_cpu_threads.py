@@ -1,5 +1,6 @@
 """The CPU thread governor: fewer threads while other processes hold CPUs, all of them again when they stop."""
 
+import gc
 import os
 
 import pytest
@@ -23,10 +24,20 @@ class FakeMachine:
         self.busy += (ours + others) * seconds
 
 
+@pytest.fixture(autouse=True)
+def close_governors():
+    """A governor closes when it is collected, and closing sets the process's thread counts: collected during a later
+    test (another module's, in the same worker), it would change that test's counts under it. Each test's governors
+    are collected here, at its end."""
+    yield
+    gc.collect()
+
+
 @pytest.fixture
 def restore_threads():
     before = torch.get_num_threads()
     yield
+    gc.collect()  # first: a governor collected afterwards would set its own count from before (close_governors)
     torch.set_num_threads(before)
 
 

@@ -36,6 +36,16 @@ class threads:
         custom_ops.set_redoable_threads(0)
 
 
+def _until_a_helper_commits(call, seconds: float = 30.0) -> bool:
+    """``call()`` again and again until a helper has committed an item, for up to ``seconds``: on a machine whose
+    CPUs other work keeps busy (CI's two test workers), a helper may wait milliseconds for a CPU, longer than a few
+    hundred small calls take."""
+    helped, deadline = custom_ops.helped_items(), time.monotonic() + seconds
+    while custom_ops.helped_items() == helped and time.monotonic() < deadline:
+        call()
+    return custom_ops.helped_items() > helped
+
+
 def _decode_inputs(g, num_reqs=9, block_size=16, kv_heads=3, group=3, head_dim=64):
     lens = torch.randint(1, 200, (num_reqs,), generator=g)
     max_blocks = int((lens.max() + block_size - 1) // block_size)
@@ -64,14 +74,13 @@ def test_packed_gemm_same_bits_at_every_thread_count(rows):
     for t, r in [(1, 0), (2, 0), (3, 0), (1, 2), (1, 3)]:
         with threads(t, r):
             assert custom_ops.redoable_threads() == (r or t)
-            helped = custom_ops.helped_items()
             results[t, r] = custom_ops.packed_gemm(x, packed, 1000)
             if r:  # let the helpers take items: through scratch and commit (rows == 1: the two-panel path)
-                for _ in range(200):
-                    if custom_ops.helped_items() > helped:
-                        break
+
+                def same():
                     assert torch.equal(custom_ops.packed_gemm(x, packed, 1000), results[t, r])
-                assert custom_ops.helped_items() > helped
+
+                assert _until_a_helper_commits(same)
     base = results[1, 0]
     torch.testing.assert_close(base.double(), x.double() @ w.double().T, atol=1e-3, rtol=1e-5)
     assert all(torch.equal(v, base) for v in results.values())
@@ -125,12 +134,13 @@ def _child_product(queue, x, packed, want):
     cpus = custom_ops.helper_cpus()  # the parent's list is not the child's: its helpers are new
     torch.set_num_threads(1)
     custom_ops.set_redoable_threads(2)
-    helped, equal = custom_ops.helped_items(), True
-    for _ in range(200):  # until a helper of the child's own has committed an item
-        equal &= torch.equal(custom_ops.packed_gemm(x, packed, want.shape[1]), want)
-        if custom_ops.helped_items() > helped:
-            break
-    queue.put((equal, custom_ops.helped_items() > helped, cpus))
+    equal = [True]
+
+    def same():
+        equal[0] &= torch.equal(custom_ops.packed_gemm(x, packed, want.shape[1]), want)
+
+    helped = _until_a_helper_commits(same)  # a helper of the child's own
+    queue.put((equal[0], helped, cpus))
 
 
 @needs_gemm
@@ -171,12 +181,8 @@ def test_helpers_run_on_the_cpus_they_are_given():
     packed = custom_ops.pack_gemm_weight(w)
 
     def run_until_a_helper_commits():
-        helped = custom_ops.helped_items()
-        for _ in range(2000):
-            custom_ops.packed_gemm(x, packed, 3072)
-            if custom_ops.helped_items() > helped:
-                return
-        pytest.fail("no helper committed an item")
+        if not _until_a_helper_commits(lambda: custom_ops.packed_gemm(x, packed, 3072)):
+            pytest.fail("no helper committed an item")
 
     def masks():
         """The helpers' CPU masks (the threads the pool names ``minivllm-helper``)."""
@@ -213,7 +219,7 @@ def test_helpers_run_on_the_cpus_they_are_given():
 
 
 _FIRST_HELPERS = """
-import json, os, torch
+import json, os, time, torch
 from minivllm import custom_ops
 cpus = sorted(os.sched_getaffinity(0))
 custom_ops.load()
@@ -221,10 +227,9 @@ custom_ops.set_helper_cpus([cpus[-1]])  # before any helper exists
 torch.set_num_threads(1)
 custom_ops.set_redoable_threads(2)
 packed, x = custom_ops.pack_gemm_weight(torch.randn(3072, 576)), torch.randn(20, 576)
-for _ in range(2000):
+deadline = time.monotonic() + 30
+while not custom_ops.helped_items() and time.monotonic() < deadline:
     custom_ops.packed_gemm(x, packed, 3072)
-    if custom_ops.helped_items():
-        break
 masks = []
 for t in os.listdir("/proc/self/task"):
     try:
