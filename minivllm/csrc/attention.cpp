@@ -230,26 +230,32 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
   // busy (batch 1). A whole request reads each block front to back: all KV heads of a token are adjacent. An item
   // writes its query heads' output once, at its end, so a helper can compute it aside and the items go to
   // run_items (thread_pool.h): with a CPU busy, a helper that the OS deschedules does not hold up the step.
-  const int64_t threads = std::max<int64_t>(redoable_threads(), at::get_num_threads());
+  const int64_t threads = items_threads();
   const int64_t heads_per_item = num_reqs >= 4 * threads ? num_kv_heads : 1;
   const int64_t items_per_req = num_kv_heads / heads_per_item;
   const int64_t qh_per_item = heads_per_item * group;  // query heads of one item
   // One register wide (kLanes): a 16-lane GCC vector under AVX2 goes through the stack in 16-byte pieces.
   using VL = Lanes<kLanes>::f;
-  // The lengths, rows and block ids this call checked, owned by the items: a helper that finishes after the call has
-  // returned must not read a block table the caller has since rewritten.
-  auto own = std::make_shared<std::vector<int64_t>>();
-  own->reserve(num_reqs * (2 + max_blocks));
-  own->insert(own->end(), len_ptr, len_ptr + num_reqs);
-  own->insert(own->end(), row_ptr, row_ptr + num_reqs);
-  for (int64_t r = 0; r < num_reqs; ++r)
-    own->insert(own->end(), bt_ptr + r * bt_stride, bt_ptr + r * bt_stride + max_blocks);
-  len_ptr = own->data();
-  row_ptr = own->data() + num_reqs;
-  bt_ptr = own->data() + 2 * num_reqs;
-  const int64_t bt_row = max_blocks;
+  const int64_t num_items = num_reqs * items_per_req;
+  // On the helpers, the lengths, rows and block ids this call checked are owned by the items: a helper that finishes
+  // after the call has returned must not read a block table the caller has since rewritten. On OpenMP's threads every
+  // item is done before the call returns, and they read the tensors.
+  std::shared_ptr<std::vector<int64_t>> own;
+  int64_t bt_row = bt_stride;
+  if (items_on_helpers(num_items)) {
+    own = std::make_shared<std::vector<int64_t>>();
+    own->reserve(num_reqs * (2 + max_blocks));
+    own->insert(own->end(), len_ptr, len_ptr + num_reqs);
+    own->insert(own->end(), row_ptr, row_ptr + num_reqs);
+    for (int64_t r = 0; r < num_reqs; ++r)
+      own->insert(own->end(), bt_ptr + r * bt_stride, bt_ptr + r * bt_stride + max_blocks);
+    len_ptr = own->data();
+    row_ptr = own->data() + num_reqs;
+    bt_ptr = own->data() + 2 * num_reqs;
+    bt_row = max_blocks;
+  }
   auto items = std::make_shared<RedoableItems>();
-  items->n = num_reqs * items_per_req;
+  items->n = num_items;
   items->scratch_floats = (qh_per_item * head_dim * int64_t(sizeof(T)) + 3) / 4;  // one item's output, as T
   items->keep = {out, query, kv_cache, block_table, seq_lens, query_rows};
   items->commit = [=, own = own](int64_t item, const float* scratch) {

@@ -196,7 +196,7 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
   const int64_t rb = M >= 256 ? 128 : std::max<int64_t>(M, 1);
   const double panel_ns = std::max(2.0 * rb * K * NR / 100.0, K * NR * 4.0 / 15.0);
   // And four items per thread at least, so that no thread is left with a larger share of a small weight.
-  const int64_t threads = std::max<int64_t>(redoable_threads(), at::get_num_threads());
+  const int64_t threads = items_threads();
   int64_t ppi = std::max<int64_t>(1, std::min<int64_t>(int64_t(30000.0 / panel_ns), panels / (4 * threads)));
   if (M == 1) ppi = (ppi + 1) / 2 * 2;  // whole pairs for row_by_two_panels
   const int64_t chunks = (panels + ppi - 1) / ppi, row_blocks = (M + rb - 1) / rb;

@@ -225,10 +225,16 @@ void run_redoable(std::shared_ptr<RedoableItems> items, int64_t threads) {
 
 }  // namespace
 
+bool items_on_helpers(int64_t n) {
+  const int64_t threads = std::min(redoable_threads(), kMaxThreads);
+  return threads > at::get_num_threads() && threads > 1 && n > 1;
+}
+
+int64_t items_threads() { return std::max<int64_t>(redoable_threads(), at::get_num_threads()); }
+
 void run_items(std::shared_ptr<RedoableItems> items) {
   const int64_t n = items->n, torch_threads = at::get_num_threads();
-  const int64_t threads = std::min(redoable_threads(), kMaxThreads);
-  if (threads > torch_threads && threads > 1 && n > 1) return run_redoable(std::move(items), threads);
+  if (items_on_helpers(n)) return run_redoable(std::move(items), std::min(redoable_threads(), kMaxThreads));
   // Handed out one at a time, as parallel_for_dynamic (cpu_utils.h): items differ in size (requests' lengths).
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(torch_threads, n), 1, [&](int64_t, int64_t) {

@@ -1,11 +1,11 @@
-// Work items that do not wait for a descheduled thread, for the kernels that take most of a step's time
-// (packed_gemm, paged_attention_decode). An OpenMP region ends at a barrier that waits for every thread of the team,
-// so when another process holds one of the CPUs, every region waits for the thread that shares that CPU: minivllm's
-// thread governor (minivllm/worker/cpu_threads.py) then lowers torch's count to the CPUs left. These kernels can use
-// the CPU time the other process leaves: their items run on the calling thread and on helper threads of their own,
-// and the caller, once no item is left to hand out, redoes an item a helper still holds twice the caller's time per
-// item after the caller comes to it (a helper the OS took the CPU from in the middle of it) instead of waiting for that
-// helper to be scheduled again: the backup tasks of MapReduce (Dean and Ghemawat, OSDI 2004, section 3.6), at the scale of one
+// Work items that do not wait for a descheduled thread, for the kernels that take most of a step's time (packed_gemm,
+// paged_attention_decode). An OpenMP region ends at a barrier that waits for every thread of the team, so when another
+// process holds one of the CPUs, every region waits for the thread that shares that CPU: minivllm's thread governor
+// (minivllm/worker/cpu_threads.py) then lowers torch's count to the CPUs left. These kernels can use the CPU time the
+// other process leaves: their items run on the calling thread and on helper threads of their own, and the caller, once
+// no item is left to hand out, redoes an item a helper still holds twice the caller's time per item after the caller
+// comes to it (a helper the OS took the CPU from in the middle of it) instead of waiting for that helper to be
+// scheduled again: the backup tasks of MapReduce (Dean and Ghemawat, OSDI 2004, section 3.6), at the scale of one
 // kernel call. A helper computes its item aside and commits it only if the caller has not redone it. minivllm only:
 // vLLM 0.32's CPU kernels run in OpenMP regions (`#pragma omp parallel for`, csrc/cpu/*.cpp).
 //
@@ -44,6 +44,11 @@ void run_items(std::shared_ptr<RedoableItems> items);
 // The threads run_items uses: set_redoable_threads(n) with n >= 1, else (0, the default) at::get_num_threads().
 int64_t redoable_threads();
 void set_redoable_threads(int64_t n);
+
+// Whether run_items gives n items to the helpers (redoable_threads() above at::get_num_threads(), n > 1), and the
+// threads it spreads items over either way (the larger count): what a kernel sizes its items by.
+bool items_on_helpers(int64_t n);
+int64_t items_threads();
 
 // The CPUs the helper threads may run on (sched affinity), applied by each helper when it next wakes for a call; an
 // empty list, the default (and in a forked child), leaves their affinity alone (at a helper's start, its creator's).

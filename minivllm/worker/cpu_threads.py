@@ -230,16 +230,16 @@ class CpuThreadGovernor:
         return target
 
     def _place_helpers(self, threads: int, decided: bool) -> None:
-        """While torch's count is one, keep the kernels' helper threads off the CPU that the thread running the step
-        is on (``custom_ops.set_helper_cpus``), looked up again at each decision; at a count above one, and when the
-        governor closes, set their list back to every CPU of the process (each helper takes it when it next wakes). Left to the OS, with a loop pinned to the second
-        CPU of two, the step's thread waited 3.0-3.2 s for its CPU in 21 s runs of the 32-request benchmark: nothing
-        of minivllm's but the helper could have been runnable there (the loop could not), so the OS had moved the
-        helper onto it, away from the loop's CPU. With the helpers kept off it, 0.07-0.20 s (OPTIMISATIONS.md, "The
-        step's CPU and the helpers' CPUs"). The step's thread itself is not pinned: on a CPU that another process
-        shares, the OS moves it, here to the CPU the helpers had, and the next decision gives them the other; a
-        thread pinned for the step would pass its one-CPU mask to every thread it starts. minivllm only: vLLM 0.32
-        binds its OpenMP threads once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``)."""
+        """While torch's count is one, keep the kernels' helper threads off the CPU that the thread running the step is
+        on (``custom_ops.set_helper_cpus``), looked up again at each decision; at a count above one, and when the
+        governor closes, set their list back to every CPU of the process (each helper takes it when it next wakes). Left
+        to the OS, with a loop pinned to the second CPU of two, the step's thread waited 3.0-3.2 s for its CPU in 21 s
+        runs of the 32-request benchmark: nothing of minivllm's but the helper could have been runnable there (the loop
+        could not), so the OS had moved the helper onto it, away from the loop's CPU. With the helpers kept off it,
+        0.07-0.20 s (OPTIMISATIONS.md, "The step's CPU and the helpers' CPUs"). The step's thread itself is not pinned:
+        on a CPU that another process shares, the OS moves it, here to the CPU the helpers had, and the next decision
+        gives them the other; a thread pinned for the step would pass its one-CPU mask to every thread it starts.
+        minivllm only: vLLM 0.32 binds its OpenMP threads once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``)."""
         if threads != 1 or len(self._cpus) < 2:
             _give_helpers_back(self._helpers, self._cpus)
             return
