@@ -35,10 +35,12 @@ position or an output row claimed by two requests, before it writes anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import platform
 import shutil
+import sys
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -80,7 +82,8 @@ def enabled() -> bool:
 
 def _cpu_id() -> str:
     try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+        with open("/proc/cpuinfo") as cpuinfo:
+            flags = next(line for line in cpuinfo if line.startswith("flags"))
     except (OSError, StopIteration):
         flags = platform.processor()
     return flags
@@ -108,11 +111,55 @@ def _put_ninja_on_path() -> None:
             pass  # the build then fails and the engine falls back, with the error in build_error()
 
 
+def build_directory(name: str) -> Path:
+    """Where ``torch.utils.cpp_extension.load`` builds the library ``name``: the folder its
+    ``_get_build_directory`` chooses at PyTorch 2.13 (``TORCH_EXTENSIONS_DIR`` as it is, else
+    ``get_default_build_root()/py<major><minor>_cpu``). ``load()`` passes it to torch explicitly, so the folder whose
+    lock it checks is the folder torch builds in even where this copy of torch's rule goes out of date."""
+    from torch.utils.cpp_extension import get_default_build_root
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR")
+    if root is None:
+        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
+        root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
+    return Path(root) / name
+
+
+@contextlib.contextmanager
+def _held_build_lock(folder: Path):
+    """Hold ``folder/minivllm.lock`` (``fcntl.flock``) while torch builds, and clear a lock torch left behind.
+
+    torch's own lock (``folder/lock``, ``torch.utils.file_baton.FileBaton``) is a file that exists while a process
+    builds; a process killed mid-build (Ctrl-C at the first start-up, a killed test run) leaves it, and every later
+    start then waits on it forever. The kernel's ``flock`` ends with its holder, so whoever holds it knows that no
+    other minivllm process is building this library, and a ``lock`` file found then was left by a dead one.
+    """
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: torch's lock alone, as before
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "minivllm.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds the same library
+        try:
+            stale = folder / "lock"
+            if stale.exists():
+                stale.unlink(missing_ok=True)
+                warnings.warn(f"minivllm: removed {stale}, left by a build that was interrupted", RuntimeWarning,
+                              stacklevel=4)
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
 def load(verbose: bool = False) -> bool:
     """Build (first time) and load the kernels; True when ``torch.ops.minivllm_cpu`` is ready.
 
     A failed build is remembered for the process: the error is in ``build_error()``, and a ``RuntimeWarning``
-    is issued once.
+    is issued once. Processes that start together build once: the others wait (``_held_build_lock``), and a build
+    lock left by a killed process is removed, with a ``RuntimeWarning`` naming it, instead of waited on forever.
 
     Raises:
         ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know, before anything is built.
@@ -125,14 +172,18 @@ def load(verbose: bool = False) -> bool:
 
         _put_ninja_on_path()
 
-        cpp_load(
-            name=_build_name(flags),
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=flags,
-            extra_ldflags=["-fopenmp"],
-            is_python_module=False,
-            verbose=verbose,
-        )
+        name = _build_name(flags)
+        folder = build_directory(name)
+        with _held_build_lock(folder):
+            cpp_load(
+                name=name,
+                sources=[str(CSRC / s) for s in SOURCES],
+                extra_cflags=flags,
+                extra_ldflags=["-fopenmp"],
+                build_directory=str(folder),
+                is_python_module=False,
+                verbose=verbose,
+            )
         _state["loaded"] = True
     except Exception as exc:  # a missing compiler or ninja shows up as several exception types
         _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"

@@ -2,6 +2,10 @@
 
 import os
 import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +27,72 @@ pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", r
 def test_kernels_build_here():
     # With a compiler present, a build failure must not go unnoticed (the engine would silently fall back).
     assert custom_ops.load(), custom_ops.build_error()
+
+
+def _copy_of_the_built_library(tmp_path):
+    """This process's built kernels copied (times kept, so ninja has nothing to do) under a fresh
+    ``TORCH_EXTENSIONS_DIR``; returns that root and the library's folder in it."""
+    assert custom_ops.load(), custom_ops.build_error()
+    name = custom_ops._build_name(custom_ops.cflags())
+    root = tmp_path / "extensions"
+    folder = root / name
+    shutil.copytree(custom_ops.build_directory(name), folder,
+                    ignore=shutil.ignore_patterns("lock", "minivllm.lock"))
+    return root, folder
+
+
+def _load_in_a_new_process(root):
+    env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root),
+               PYTHONPATH=os.pathsep.join([str(Path(custom_ops.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
+    code = "from minivllm import custom_ops; print('loading', flush=True); print(custom_ops.load())"
+    return subprocess.Popen([sys.executable, "-W", "always", "-c", code], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def test_build_directory_is_torchs(monkeypatch):
+    """The folder load() passes to torch is the one torch chose itself, so a cached build is found again."""
+    from torch.utils.cpp_extension import _get_build_directory
+
+    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+    name = custom_ops._build_name(custom_ops.cflags())
+    assert custom_ops.build_directory(name) == Path(_get_build_directory(name, False))
+
+
+def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
+    """torch's build lock, left by a process killed mid-build, made every later start wait forever."""
+    root, folder = _copy_of_the_built_library(tmp_path)
+    (folder / "lock").touch()
+    proc = _load_in_a_new_process(root)
+    try:
+        out, err = proc.communicate(timeout=180)
+    finally:
+        proc.kill()
+    assert out.split() == ["loading", "True"], err
+    assert f"removed {folder / 'lock'}, left by a build that was interrupted" in err
+    assert not (folder / "lock").exists()
+
+
+def test_a_build_in_progress_is_waited_for(tmp_path):
+    """While another process holds the build (our flock and torch's lock file), a new process waits and removes
+    nothing; when that build ends, it loads the library."""
+    import fcntl
+
+    root, folder = _copy_of_the_built_library(tmp_path)
+    with open(folder / "minivllm.lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (folder / "lock").touch()
+        proc = _load_in_a_new_process(root)
+        try:
+            assert proc.stdout.readline().strip() == "loading"
+            time.sleep(2.0)
+            assert proc.poll() is None and (folder / "lock").exists()
+            (folder / "lock").unlink()  # what torch's FileBaton.release does when its build ends
+            fcntl.flock(held, fcntl.LOCK_UN)
+            out, err = proc.communicate(timeout=180)
+        finally:
+            proc.kill()
+    assert out.split() == ["True"], err
+    assert "interrupted" not in err
 
 
 def test_engine_falls_back_when_the_kernels_cannot_be_built(monkeypatch):
