@@ -37,10 +37,12 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import logging
 import os
 import platform
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
 from typing import List, Optional, Sequence
@@ -114,42 +116,68 @@ def _put_ninja_on_path() -> None:
 def build_directory(name: str) -> Path:
     """Where ``torch.utils.cpp_extension.load`` builds the library ``name``: the folder its
     ``_get_build_directory`` chooses at PyTorch 2.13 (``TORCH_EXTENSIONS_DIR`` as it is, else
-    ``get_default_build_root()/py<major><minor>_cpu``). ``load()`` passes it to torch explicitly, so the folder whose
-    lock it checks is the folder torch builds in even where this copy of torch's rule goes out of date."""
+    ``get_default_build_root()/py<major><minor><abiflags>_<rocm…|cu…|cpu>``), so that a library built before is found
+    again. ``load()`` passes it to torch explicitly: the folder whose lock it checks is the folder torch builds in,
+    even where this copy of torch's rule goes out of date."""
     from torch.utils.cpp_extension import get_default_build_root
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR")
     if root is None:
-        accelerator = f"cu{torch.version.cuda.replace('.', '')}" if torch.version.cuda else "cpu"
+        if torch.version.hip is not None:
+            accelerator = f"rocm{torch.version.hip.replace('.', '')}"
+        elif torch.version.cuda is not None:
+            accelerator = f"cu{torch.version.cuda.replace('.', '')}"
+        else:
+            accelerator = "cpu"
         python = f"py{sys.version_info.major}{sys.version_info.minor}{getattr(sys, 'abiflags', '')}"
         root = os.path.join(get_default_build_root(), f"{python}_{accelerator}")
     return Path(root) / name
 
 
+# A torch build lock older than this, found while minivllm's flock is held, is taken as left by a killed process.
+# Longer than a build (about 20 s on two cores, a minute under load), so that a lock of a live build that does not
+# take the flock (an older minivllm with the same kernel sources, a host sharing the folder over NFS without locks)
+# is waited on rather than removed.
+STALE_LOCK_S = 120.0
+
+
 @contextlib.contextmanager
 def _held_build_lock(folder: Path):
-    """Hold ``folder/minivllm.lock`` (``fcntl.flock``) while torch builds, and clear a lock torch left behind.
+    """Hold ``folder/minivllm.lock`` (``fcntl.flock``) while torch builds; yields ``[path]`` of a torch lock it
+    removed as stale, else ``[]``.
 
     torch's own lock (``folder/lock``, ``torch.utils.file_baton.FileBaton``) is a file that exists while a process
     builds; a process killed mid-build (Ctrl-C at the first start-up, a killed test run) leaves it, and every later
-    start then waits on it forever. The kernel's ``flock`` ends with its holder, so whoever holds it knows that no
-    other minivllm process is building this library, and a ``lock`` file found then was left by a dead one.
+    start then waited on it forever. The kernel's ``flock`` ends with its holder, so whoever holds it knows that no
+    other process running this code is building the library; a ``lock`` file found then is waited on until it is
+    ``STALE_LOCK_S`` old (for builds that do not take the flock) and then removed.
     """
+    folder.mkdir(parents=True, exist_ok=True)  # torch makes only the folders it chooses itself
     try:
         import fcntl
     except ImportError:  # not POSIX: torch's lock alone, as before
-        yield
+        yield []
         return
-    folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "minivllm.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)  # waits while another process builds the same library
         try:
-            stale = folder / "lock"
-            if stale.exists():
-                stale.unlink(missing_ok=True)
-                warnings.warn(f"minivllm: removed {stale}, left by a build that was interrupted", RuntimeWarning,
-                              stacklevel=4)
-            yield
+            lock, removed, told = folder / "lock", [], False
+            while True:
+                try:
+                    age = time.time() - lock.stat().st_mtime
+                except FileNotFoundError:
+                    break
+                if age >= STALE_LOCK_S:
+                    lock.unlink(missing_ok=True)
+                    removed.append(lock)
+                    break
+                if not told:
+                    logging.getLogger(__name__).warning(
+                        "minivllm: waiting for %s, a build under way or one that was interrupted (removed when %.0f s "
+                        "old)", lock, STALE_LOCK_S)
+                    told = True
+                time.sleep(0.5)
+            yield removed
         finally:
             fcntl.flock(held, fcntl.LOCK_UN)
 
@@ -159,7 +187,8 @@ def load(verbose: bool = False) -> bool:
 
     A failed build is remembered for the process: the error is in ``build_error()``, and a ``RuntimeWarning``
     is issued once. Processes that start together build once: the others wait (``_held_build_lock``), and a build
-    lock left by a killed process is removed, with a ``RuntimeWarning`` naming it, instead of waited on forever.
+    lock left by a killed process is removed once it is ``STALE_LOCK_S`` old, with a ``RuntimeWarning`` naming it,
+    instead of waited on forever.
 
     Raises:
         ValueError: for a ``MINIVLLM_CPU_ISA`` minivllm does not know, before anything is built.
@@ -174,7 +203,7 @@ def load(verbose: bool = False) -> bool:
 
         name = _build_name(flags)
         folder = build_directory(name)
-        with _held_build_lock(folder):
+        with _held_build_lock(folder) as removed:
             cpp_load(
                 name=name,
                 sources=[str(CSRC / s) for s in SOURCES],
@@ -185,6 +214,9 @@ def load(verbose: bool = False) -> bool:
                 verbose=verbose,
             )
         _state["loaded"] = True
+        for lock in removed:  # after the build, so that warnings raised as errors do not fail it
+            warnings.warn(f"minivllm: removed {lock}, left by a build that was interrupted", RuntimeWarning,
+                          stacklevel=2)
     except Exception as exc:  # a missing compiler or ninja shows up as several exception types
         _state["loaded"], _state["error"] = False, f"{type(exc).__name__}: {exc}"
         warnings.warn(

@@ -75,8 +75,8 @@ inline void key_rows(const T* kv, const int64_t* blocks, int64_t block_size, int
 // Each request's blocks lie anywhere in the cache, and without this a block's first rows wait on memory: float32
 // decode attention over 32 requests of 100-430 tokens in 30 layers, one thread, took 0.83-0.92x the time with this
 // (blocks in order or shuffled), 0.96-0.97x in the engine's profile (minivllm/bench/OPTIMISATIONS.md, "Decode
-// attention's next block asked for ahead"). A prefetch of every 64-byte line was slower than none (1.3-1.5x with the
-// blocks in order); one every 4 lines, or into L1 (prefetcht0), slower than one per row.
+// attention's next block asked for ahead"). A prefetch of every 64-byte line took 1.3-1.5x the time of none (blocks
+// in order); one every 4 lines, or into L1 (prefetcht0), was slower than one per row.
 template <typename T>
 inline void prefetch_rows(const T* first, int64_t n, int64_t token_stride) {
   for (int64_t t = 0; t < n; ++t) __builtin_prefetch(first + t * token_stride, 0, 2);

@@ -41,58 +41,95 @@ def _copy_of_the_built_library(tmp_path):
     return root, folder
 
 
-def _load_in_a_new_process(root):
+def _load_in_a_new_process(root, stale_after=None):
     env = dict(os.environ, TORCH_EXTENSIONS_DIR=str(root),
                PYTHONPATH=os.pathsep.join([str(Path(custom_ops.__file__).parents[1]), os.environ.get("PYTHONPATH", "")]))
-    code = "from minivllm import custom_ops; print('loading', flush=True); print(custom_ops.load())"
+    code = ("from minivllm import custom_ops; print('loading', flush=True); "
+            + (f"custom_ops.STALE_LOCK_S = {stale_after}; " if stale_after is not None else "")
+            + "print(custom_ops.load())")
     return subprocess.Popen([sys.executable, "-W", "always", "-c", code], env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
 
 
-def test_build_directory_is_torchs(monkeypatch):
-    """The folder load() passes to torch is the one torch chose itself, so a cached build is found again."""
-    from torch.utils.cpp_extension import _get_build_directory
+def _finish(proc, timeout=180):
+    """The process's (stdout, stderr); killed and reaped if it is still running after ``timeout`` s."""
+    try:
+        return proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.communicate()
+        raise
 
-    monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
+
+@pytest.mark.parametrize("hip, cuda", [(None, None), (None, "12.8"), ("6.4.43482", None)])
+@pytest.mark.parametrize("extensions_dir", [False, True])
+def test_build_directory_is_torchs(monkeypatch, tmp_path, hip, cuda, extensions_dir):
+    """The folder load() passes to torch is the one torch would choose itself, so a cached build is found again."""
+    import torch.utils.cpp_extension as cpp_extension
+
+    monkeypatch.setattr(torch.version, "hip", hip)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    monkeypatch.setattr(cpp_extension, "get_default_build_root", lambda: str(tmp_path / "root"))
+    if extensions_dir:
+        monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "chosen"))
+    else:
+        monkeypatch.delenv("TORCH_EXTENSIONS_DIR", raising=False)
     name = custom_ops._build_name(custom_ops.cflags())
-    assert custom_ops.build_directory(name) == Path(_get_build_directory(name, False))
+    assert custom_ops.build_directory(name) == Path(cpp_extension._get_build_directory(name, False))
 
 
 def test_a_lock_left_by_a_killed_build_is_removed(tmp_path):
     """torch's build lock, left by a process killed mid-build, made every later start wait forever."""
     root, folder = _copy_of_the_built_library(tmp_path)
     (folder / "lock").touch()
-    proc = _load_in_a_new_process(root)
-    try:
-        out, err = proc.communicate(timeout=180)
-    finally:
-        proc.kill()
+    old = time.time() - custom_ops.STALE_LOCK_S - 10
+    os.utime(folder / "lock", (old, old))
+    out, err = _finish(_load_in_a_new_process(root))
     assert out.split() == ["loading", "True"], err
     assert f"removed {folder / 'lock'}, left by a build that was interrupted" in err
+    assert "waiting for" not in err
+    assert not (folder / "lock").exists()
+
+
+def test_a_recent_lock_is_waited_on_until_stale(tmp_path):
+    """A lock younger than STALE_LOCK_S may belong to a build that does not take minivllm's flock: waited on, with a
+    message, and removed only once it is that old."""
+    root, folder = _copy_of_the_built_library(tmp_path)
+    (folder / "lock").touch()
+    out, err = _finish(_load_in_a_new_process(root, stale_after=3))
+    assert out.split() == ["loading", "True"], err
+    assert f"waiting for {folder / 'lock'}" in err
+    assert f"removed {folder / 'lock'}" in err
     assert not (folder / "lock").exists()
 
 
 def test_a_build_in_progress_is_waited_for(tmp_path):
     """While another process holds the build (our flock and torch's lock file), a new process waits and removes
-    nothing; when that build ends, it loads the library."""
+    nothing, even a lock older than STALE_LOCK_S; when that build ends, it loads the library."""
     import fcntl
+    import select
 
     root, folder = _copy_of_the_built_library(tmp_path)
     with open(folder / "minivllm.lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX)
         (folder / "lock").touch()
+        old = time.time() - custom_ops.STALE_LOCK_S - 10
+        os.utime(folder / "lock", (old, old))
         proc = _load_in_a_new_process(root)
         try:
+            assert select.select([proc.stdout], [], [], 120)[0], "the new process did not start"
             assert proc.stdout.readline().strip() == "loading"
             time.sleep(2.0)
             assert proc.poll() is None and (folder / "lock").exists()
             (folder / "lock").unlink()  # what torch's FileBaton.release does when its build ends
             fcntl.flock(held, fcntl.LOCK_UN)
-            out, err = proc.communicate(timeout=180)
+            out, err = _finish(proc)
         finally:
-            proc.kill()
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
     assert out.split() == ["True"], err
-    assert "interrupted" not in err
+    assert "interrupted" not in err and "waiting for" not in err
 
 
 def test_engine_falls_back_when_the_kernels_cannot_be_built(monkeypatch):
