@@ -82,6 +82,27 @@ inline void prefetch_rows(const T* first, int64_t n, int64_t token_stride) {
   for (int64_t t = 0; t < n; ++t) __builtin_prefetch(first + t * token_stride, 0, 2);
 }
 
+// prefetch_rows for the rows of a request's block j that hold its first len tokens (none when the block is past
+// them); kv points at the columns wanted of block 0's first row (keys or values, an item's KV heads).
+template <typename T>
+inline void prefetch_block(const T* kv, const int64_t* blocks, int64_t j, int64_t block_size, int64_t len,
+                           int64_t token_stride) {
+  if (j * block_size < len)
+    prefetch_rows(kv + blocks[j] * block_size * token_stride, std::min(block_size, len - j * block_size),
+                  token_stride);
+}
+
+// prefetch_rows for the KB keys after keys k0 .. k0 + KB - 1 (those below len), col elements into each token row.
+template <int KB, typename T>
+inline void prefetch_next_keys(const T* kv, const int64_t* blocks, int64_t block_size, int64_t token_stride,
+                               int64_t k0, int64_t len, int64_t col) {
+  if (k0 + KB >= len) return;
+  const int64_t nn = std::min<int64_t>(KB, len - k0 - KB);
+  const T* next[KB];
+  key_rows<KB>(kv, blocks, block_size, token_stride, k0 + KB, nn, next);
+  for (int64_t k = 0; k < nn; ++k) prefetch_rows(next[k] + col, 1, token_stride);
+}
+
 #if defined(__AVX512F__)
 // v[k] -> the sum of v[k]'s 16 lanes, as lane k of the result: a transposing tree of 45 shuffles and adds instead
 // of 16 horizontal reductions of about 10 operations each.
@@ -169,9 +190,7 @@ void values_bf16(const uint16_t* kv_values, const int64_t* blocks, int64_t block
   for (int64_t pos = 0; pos < len; pos += block_size) {
     const uint16_t* vb = kv_values + blocks[pos / block_size] * block_size * token_stride;
     const int64_t n = std::min(block_size, len - pos);
-    if (pos + block_size < len)
-      prefetch_rows(kv_values + blocks[pos / block_size + 1] * block_size * token_stride,
-                    std::min(block_size, len - pos - block_size), token_stride);
+    prefetch_block(kv_values, blocks, pos / block_size + 1, block_size, len, token_stride);
     for (int64_t t = 0; t < n; ++t) {
       __m512 v[HD / 16];
       for (int c = 0; c < HD / 16; ++c)
@@ -302,12 +321,7 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const int64_t nk = std::min<int64_t>(16, len - k0);
           const T* krow[16];
           key_rows<16>(kv_ptr, blocks, block_size, token_stride, k0, nk, krow);
-          if (k0 + 16 < len) {  // the next 16 keys, this item's KV heads
-            const int64_t nn = std::min<int64_t>(16, len - k0 - 16);
-            const T* next[16];
-            key_rows<16>(kv_ptr, blocks, block_size, token_stride, k0 + 16, nn, next);
-            for (int64_t k = 0; k < nn; ++k) prefetch_rows(next[k] + h0 * HD, 1, token_stride);
-          }
+          prefetch_next_keys<16>(kv_ptr, blocks, block_size, token_stride, k0, len, h0 * HD);
           const __mmask16 keep = static_cast<__mmask16>(nk == 16 ? 0xFFFFu : (1u << nk) - 1u);
           for (int64_t qh = 0; qh < qh_per_item; ++qh) {
             const int64_t off = (h0 + qh / group) * HD;
@@ -334,15 +348,9 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const int64_t nk = std::min<int64_t>(KB, len - k0);
           const float* krow[KB];
           key_rows<KB>(kv_ptr, blocks, block_size, token_stride, k0, nk, krow);
-          if (k0 + KB < len) {  // the next KB keys, this item's KV heads
-            const int64_t nn = std::min<int64_t>(KB, len - k0 - KB);
-            const float* next[KB];
-            key_rows<KB>(kv_ptr, blocks, block_size, token_stride, k0 + KB, nn, next);
-            for (int64_t k = 0; k < nn; ++k) prefetch_rows(next[k] + h0 * HD, 1, token_stride);
-          } else {  // the first value block
-            prefetch_rows(kv_ptr + value_offset + blocks[0] * block_size * token_stride + h0 * head_dim,
-                          std::min(block_size, len), token_stride);
-          }
+          prefetch_next_keys<KB>(kv_ptr, blocks, block_size, token_stride, k0, len, h0 * HD);
+          if (k0 + KB >= len)  // the last keys: the first value block next
+            prefetch_block(kv_ptr + value_offset + h0 * head_dim, blocks, 0, block_size, len, token_stride);
           scores_f32<HD>(q.data(), krow, nk, qh_per_item, group, h0, logits.data(), max_len, k0, part.data());
         }
       } else
@@ -402,10 +410,8 @@ void decode_attention_impl(at::Tensor& out, const at::Tensor& query, const at::T
           const T* v_block =
               kv_ptr + value_offset + blocks[pos / block_size] * block_size * token_stride + h0 * head_dim;
           const int64_t n = std::min(block_size, len - pos);
-          if (pos + block_size < len)
-            prefetch_rows(kv_ptr + value_offset + blocks[pos / block_size + 1] * block_size * token_stride +
-                              h0 * head_dim,
-                          std::min(block_size, len - pos - block_size), token_stride);
+          prefetch_block(kv_ptr + value_offset + h0 * head_dim, blocks, pos / block_size + 1, block_size, len,
+                         token_stride);
           for (int64_t t = 0; t < n; ++t) {
             for (int64_t kh = 0; kh < heads_per_item; ++kh) {
               const T* v_row = v_block + t * token_stride + kh * head_dim;
