@@ -2,10 +2,12 @@
 
 minivllm only. vLLM 0.32's CPU build fixes its thread count once, when a worker is started: ``OMP_NUM_THREADS`` and
 the OpenMP places are set from ``VLLM_CPU_OMP_THREADS_BIND`` (default ``auto``: one CPU per physical core of the
-rank's NUMA node, less the reserved ones; ``vllm/utils/ompmultiprocessing.py``), and the worker then turns
-``torch.set_num_threads`` into a no-op (``vllm/v1/worker/cpu_worker.py``). Every parallel region of a step (a matrix
-product, an attention kernel) splits its work evenly over the threads and ends at a barrier, so when another
-process holds one of the CPUs, each region waits for the thread that shares that CPU, and a 2-core machine runs
+rank's NUMA node, less the reserved ones; `_parse_omp_threads_bind_env
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/utils/ompmultiprocessing.py#L122>`_), and the worker then turns
+``torch.set_num_threads`` into a no-op (`skip_set_num_threads
+<https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/v1/worker/cpu_worker.py#L139>`_). Every parallel region of
+a step (a matrix product, an attention kernel) splits its work evenly over the threads and ends at a barrier, so when
+another process holds one of the CPUs, each region waits for the thread that shares that CPU, and a 2-core machine runs
 slower with two threads than with one: on the AVX-512 class, 170.4 output tok/s idle fell to 49.3 with two threads
 and a busy second core, and held at 110.7 with one (``minivllm/bench/OPTIMISATIONS.md``, issue 27).
 
@@ -239,7 +241,9 @@ class CpuThreadGovernor:
         0.07-0.20 s (OPTIMISATIONS.md, "The step's CPU and the helpers' CPUs"). The step's thread itself is not pinned:
         on a CPU that another process shares, the OS moves it, here to the CPU the helpers had, and the next decision
         gives them the other; a thread pinned for the step would pass its one-CPU mask to every thread it starts.
-        minivllm only: vLLM 0.32 binds its OpenMP threads once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``)."""
+        minivllm only: vLLM 0.32 binds its OpenMP threads once, at start-up (``VLLM_CPU_OMP_THREADS_BIND``, read in
+        `configure_omp_envs
+        <https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/utils/ompmultiprocessing.py#L71>`_)."""
         if threads != 1 or len(self._cpus) < 2:
             _give_helpers_back(self._helpers, self._cpus)
             return
