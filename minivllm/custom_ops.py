@@ -14,9 +14,9 @@ Eight operators, each replacing one or several PyTorch operators of one decoder 
 * ``packed_gemm``: a float32 linear layer, register tiles over a weight packed once into column panels by
   ``pack_gemm_weight`` (``csrc/packed_gemm.cpp``; ``packed_gemm_available()``: a CPU with AVX2 and FMA); one row,
   a batch-1 decode step, included. ``unpack_gemm_weight`` gives the weight back from the panels.
-* ``skinny_gemm``: a float32 linear layer for one row of activations on the weight as it is, the output rows split
-  across the threads (``csrc/skinny_gemm.cpp``): the batch-1 decode's matrix-vector products where ``packed_gemm``
-  is not built.
+* ``skinny_gemm``: a float32 or bfloat16 linear layer for one row of activations on the weight as it is, the output
+  rows split across the threads (``csrc/skinny_gemm.cpp``): the batch-1 decode's matrix-vector products in
+  bfloat16, and in float32 where ``packed_gemm`` is not built.
 
 They are built with ``torch.utils.cpp_extension`` (g++ and ninja; about 20 s on two cores, once: the library is
 cached under ``TORCH_EXTENSIONS_DIR``, by default ``~/.cache/torch_extensions``, keyed by a hash of the sources,
@@ -355,14 +355,16 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """``x [1, in] @ weight[out, in].T`` -> ``[1, out]``, float32 (``csrc/skinny_gemm.cpp``): a batch-1 decode's
-    linear layers and LM head where ``packed_gemm`` is not built or packing is off (else one row goes to the
-    panels), the output rows split across the threads. Sums in another order than MKL's: equal to ``F.linear``
-    within float32 rounding, not bit for bit.
+    """``x [1, in] @ weight[out, in].T`` -> ``[1, out]``, all float32 or all bfloat16 (``csrc/skinny_gemm.cpp``): a
+    batch-1 decode's linear layers and LM head, the output rows split across the threads. float32 where
+    ``packed_gemm`` is not built or packing is off (else one row goes to the panels): sums in another order than
+    MKL's, equal to ``F.linear`` within float32 rounding, not bit for bit. bfloat16 (``PackedWeight.set_kernels``):
+    products summed in float32 (AVX512-BF16's ``vdpbf16ps`` where built), rounded to bfloat16 once; another order
+    than oneDNN's, so the last bit of a result may differ from oneDNN's.
 
     Raises:
-        RuntimeError: (the kernel's check) when a dtype is not float32, ``x`` has more than one row or another
-            width than ``weight``, or ``weight`` is not contiguous.
+        RuntimeError: (the kernel's check) when the dtypes are not all float32 or all bfloat16, ``x`` has more
+            than one row or another width than ``weight``, or ``weight`` is not contiguous.
     """
     out = x.new_empty((x.shape[0], weight.shape[0])) if x.dim() == 2 and weight.dim() == 2 else x.new_empty(0)
     _ops().skinny_gemm(out, x, weight)

@@ -32,7 +32,8 @@ void fused_add_rms_norm(at::Tensor& x, at::Tensor& residual, const at::Tensor& w
 // out[t, i] = silu(x[t, i]) * x[t, d + i] for x [tokens, 2 d], out [tokens, d].
 void silu_and_mul(at::Tensor& out, const at::Tensor& x);
 
-// out [1, out_features] = x [1, in_features] @ weight [out_features, in_features]^T, float32 (batch-1 decode).
+// out [1, out_features] = x [1, in_features] @ weight [out_features, in_features]^T, all float32 or all bfloat16
+// (batch-1 decode; bfloat16 summed in float32, rounded once).
 void skinny_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& weight);
 
 // out [rows, out_features] = x [rows, in_features] @ W^T, float32, W packed by pack_gemm_weight into panels of

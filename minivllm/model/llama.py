@@ -181,6 +181,7 @@ class LlamaForCausalLM(nn.Module):
             packed = getattr(module, "_packed_weight", None)  # packed_linear.Linear and LogitsProcessor
             if isinstance(packed, PackedWeight):
                 packed.set_float32(float32)
+                packed.set_kernels(device_type == "cpu" and use_cpu_kernels)
 
     def remove_packed_weights(self) -> int:
         """Keep each float32 linear layer's weight as ``packed_gemm``'s panels alone (``Linear.remove_weight``: where

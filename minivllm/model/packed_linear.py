@@ -7,7 +7,10 @@ rows, the reorder costs about as much as the multiplication. Packing each weight
 copy halves the time of a batch-1 decode matmul and gains 10-20 % on large batches (measured: see
 ``minivllm/bench/OPTIMISATIONS.md``). The result is bit-identical to ``F.linear`` in bfloat16 (both are oneDNN
 underneath), so nothing else changes. vLLM's CPU backend does the same: ``vllm/model_executor/layers/utils.py``
-``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time.
+``dispatch_cpu_unquantized_gemm`` builds a oneDNN matmul handle with the packed weight at load time. One bfloat16
+row (a batch-1 decode step) goes to minivllm's matrix-vector kernel instead, with the kernels on
+(``PackedWeight.set_kernels``, ``custom_ops.skinny_gemm``): it reads the weight at the machine's copy bandwidth,
+oneDNN's one-row matmul at two thirds of it; its sums may differ from oneDNN's in a result's last bit.
 
 With ``MINIVLLM_CPU_KERNELS_FP32=1`` (the default) a float32 model packs its weights too (the loader and the model
 runner say so through ``set_float32``), as vLLM's CPU build does for every dtype, but into the column panels of
@@ -87,6 +90,7 @@ class PackedWeight:
         self._gemm_packed = False  # whether _packed holds packed_gemm's panels (else oneDNN's layout)
         self.float32 = False  # set_float32: the model runs float32 packed too
         self.gemm = False  # set_float32: float32 through custom_ops.packed_gemm (else oneDNN)
+        self.bf16_row = False  # set_kernels: one bfloat16 row through custom_ops.skinny_gemm (else oneDNN)
         self.enabled = envs.MINIVLLM_ONEDNN_PACKING  # read here, not per call; set_float32 reads it again
 
     def set_float32(self, on: bool) -> None:
@@ -99,6 +103,16 @@ class PackedWeight:
         self.float32 = on
         self.gemm = on and custom_ops.packed_gemm_available()
         self.enabled = envs.MINIVLLM_ONEDNN_PACKING
+
+    def set_kernels(self, on: bool) -> None:
+        """Send one bfloat16 row (a batch-1 decode step, a prefill's last token at the LM head) to
+        ``custom_ops.skinny_gemm`` on the weight as it is (``on``: minivllm's CPU kernels are used for this model,
+        ``custom_ops.use_cpu_kernels``; set by ``LlamaForCausalLM.set_custom_op_dispatch``). oneDNN's bfloat16
+        matmul with one row read SmolLM2's weights at about 21 GB/s on two Zen 4 cores (13 at one thread), this
+        kernel at the machine's copy bandwidth, 32-34 (18) (``minivllm/bench/OPTIMISATIONS.md``, "bfloat16 at
+        batch 1"). Its sums run in another order than oneDNN's: a row's result may differ from the same row inside
+        a batch in the last bit of bfloat16."""
+        self.bf16_row = on
 
     def usable(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
         """Whether ``linear`` takes the packed path for ``x [N, in]`` and ``weight [out, in]``: same dtype, on the
@@ -118,14 +132,18 @@ class PackedWeight:
         return x.shape[0] in FP32_PACKED_TOKENS and torch.backends.mkldnn.is_available()
 
     def skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
-        """Whether ``linear`` takes the float32 batch-1 kernel (``custom_ops.skinny_gemm``): one row of float32 on
-        the CPU, no autograd, ``set_float32`` on, the weight contiguous, and no packed panels for it (module doc):
-        ``packed_gemm`` takes one row where it is built, or packing is switched off. It reads the weight as it is,
-        not a packed copy, so ``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the float32 kernels'
-        switch (``MINIVLLM_CPU_KERNELS_FP32``, ``MINIVLLM_CPU_KERNELS``) does."""
-        return (self.float32 and x.dtype == torch.float32 and weight.dtype == torch.float32 and x.dim() == 2
-                and x.shape[0] == 1 and x.device.type == "cpu" and weight.is_contiguous()
-                and not torch.is_grad_enabled() and not self.usable(x, weight))
+        """Whether ``linear`` takes the batch-1 kernel (``custom_ops.skinny_gemm``): one row on the CPU, no
+        autograd, the weight contiguous and of ``x``'s dtype, and either float32 with ``set_float32`` on and no
+        packed panels for it (module doc: ``packed_gemm`` takes one row where it is built, or packing is switched
+        off), or bfloat16 with ``set_kernels`` on. It reads the weight as it is, not a packed copy, so ``ENABLED``
+        and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the kernels' switches (``MINIVLLM_CPU_KERNELS_FP32``,
+        ``MINIVLLM_CPU_KERNELS``) do."""
+        if not (x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu" and weight.dtype == x.dtype
+                and weight.is_contiguous() and not torch.is_grad_enabled()):
+            return False
+        if x.dtype == torch.bfloat16:
+            return self.bf16_row
+        return self.float32 and x.dtype == torch.float32 and not self.usable(x, weight)
 
     def panels_usable(self, x: torch.Tensor) -> bool:
         """Whether ``x`` may be multiplied by ``packed_gemm``'s panels alone, without the weight they came from:

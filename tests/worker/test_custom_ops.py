@@ -19,6 +19,7 @@ from minivllm.worker.block_table import create_common_attn_metadata
 from minivllm.model.layers.layernorm import RMSNorm
 from minivllm.model.layers.rotary_embedding import RotaryEmbedding, _rotate
 from minivllm.model.loader import build_tiny_model
+from minivllm.model.packed_linear import PackedWeight, onednn_bf16_available
 
 pytestmark = pytest.mark.skipif(os.environ.get("MINIVLLM_CPU_KERNELS") == "0", reason="kernels switched off")
 
@@ -143,6 +144,48 @@ def test_engine_falls_back_when_the_kernels_cannot_be_built(monkeypatch):
     while eng.has_unfinished_requests():
         eng.step()
     assert not called and not custom_ops.usable(torch.zeros(1, dtype=torch.bfloat16))
+
+
+def _one_row_layers(llm_or_engine):
+    eng = getattr(llm_or_engine, "llm_engine", llm_or_engine)
+    model = eng.model_runner.model
+    return eng, [m._packed_weight for m in model.modules() if isinstance(getattr(m, "_packed_weight", None),
+                                                                       PackedWeight)]
+
+
+@pytest.mark.parametrize("kernels", ["1", "0"])
+def test_bfloat16_batch1_rows_take_skinny_gemm(monkeypatch, count_kernel_calls, kernels):
+    """A bfloat16 engine at batch 1: every linear layer and the LM head of a decode step (one row), and the LM head
+    of the prefill's last token, go to ``skinny_gemm``; the prefill's other rows do not; with
+    ``MINIVLLM_CPU_KERNELS=0`` none do (PyTorch operators)."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", kernels)
+    calls = count_kernel_calls(["skinny_gemm"])
+    eng = LLMEngine(build_tiny_model(dtype=torch.bfloat16), enable_prefix_caching=False)
+    eng.add_request("a", {"prompt_token_ids": list(range(3, 40))}, SamplingParams(temperature=0, max_tokens=5,
+                                                                               ignore_eos=True))
+    while eng.has_unfinished_requests():
+        eng.step()
+    layers = eng.hf_config.num_hidden_layers
+    assert calls["skinny_gemm"] == ((4 * layers + 1) * 4 + 1 if kernels == "1" else 0)
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="no native bfloat16 matmuls (AVX512-BF16) on this CPU")
+def test_smollm2_bfloat16_batch1_tokens_as_with_onednn(monkeypatch):
+    """The real model in bfloat16, one request at a time: the same greedy tokens with ``skinny_gemm`` as with
+    oneDNN's one-row matmul on the packed weights (what ran before the kernel took one bfloat16 row)."""
+    monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
+    from minivllm import LLM
+
+    prompts = ["The capital of France is", "def fibonacci(n):", "Paged attention stores the KV cache in"]
+    sp = SamplingParams(temperature=0, max_tokens=24)
+    llm = LLM(dtype="bfloat16")
+    _, packed = _one_row_layers(llm)
+    assert packed and all(p.bf16_row for p in packed)
+    ours = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    for p in packed:
+        p.set_kernels(False)
+    onednn = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert ours == onednn
 
 
 def _reference_metadata(tables, ctxs, qlens, block_size):
@@ -270,30 +313,36 @@ def test_silu_and_mul(dtype):
     torch.testing.assert_close(custom_ops.silu_and_mul(x), ref, **tol)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_out, k", [(960, 576), (49152, 576), (576, 1536), (7, 19), (1003, 577), (4, 16), (1, 5),
-                                      (65, 45)])
-def test_skinny_gemm_equals_linear(n_out, k, threads):
-    """The batch-1 float32 linear kernel against ``F.linear``: other summation order, so equal to float32
-    rounding (relative 1e-5 of the row's magnitude), with tails after the 32-wide loop (four 8-lane accumulators),
-    after the 8-wide one, and a last work item of fewer than 4 rows."""
+                                      (65, 45), (3, 160), (2, 63)])
+def test_skinny_gemm_equals_linear(n_out, k, threads, dtype):
+    """The batch-1 linear kernel against ``F.linear`` in float32 on the same values: other summation order, so
+    equal to float32 rounding (relative 1e-5 of the row's magnitude), with tails after the wide loop (four
+    accumulators: 32 float32 or 128 bfloat16 values), after one register (8 float32, 32 bfloat16 pairs), a masked
+    bfloat16 tail (k % 32), and a last work item of fewer than 4 rows. bfloat16 results are rounded once, at the
+    end: within half a unit in bfloat16's last place (at most 2^-8 relative) of the float32 sum."""
     g = torch.Generator().manual_seed(n_out + k)
-    w, x = torch.randn(n_out, k, generator=g), torch.randn(1, k, generator=g)
+    w, x = torch.randn(n_out, k, generator=g).to(dtype), torch.randn(1, k, generator=g).to(dtype)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
         got = custom_ops.skinny_gemm(x, w)
     finally:
         torch.set_num_threads(before)
-    assert got.shape == (1, n_out) and got.dtype == torch.float32
-    scale = (w.abs() @ x.abs().T).T  # the size of the terms each output sums
-    assert ((got - F.linear(x, w)).abs() <= 1e-5 * scale + 1e-6).all()
+    assert got.shape == (1, n_out) and got.dtype == dtype
+    ref = F.linear(x.float(), w.float())
+    scale = (w.float().abs() @ x.float().abs().T).T  # the size of the terms each output sums
+    rounding = 2 ** -8 * ref.abs() if dtype == torch.bfloat16 else 0
+    assert ((got.float() - ref).abs() <= 1e-5 * scale + 1e-6 + rounding).all()
 
 
 def test_skinny_gemm_rejects_what_it_cannot_take():
     w = torch.randn(8, 16)
     for x, wt, match in [(torch.randn(2, 16), w, "x must be \\[1, in\\]"), (torch.randn(1, 15), w, "in = weight.size\\(1\\) = 16"),
-                         (torch.randn(1, 16).bfloat16(), w.bfloat16(), "must be float32"),
+                         (torch.randn(1, 16).half(), w.half(), "all float32 or all bfloat16"),
+                         (torch.randn(1, 16).bfloat16(), w, "all float32 or all bfloat16"),
                          (torch.randn(1, 16), torch.randn(16, 8).T, "contiguous")]:
         with pytest.raises(RuntimeError, match=match):
             custom_ops.skinny_gemm(x, wt)
