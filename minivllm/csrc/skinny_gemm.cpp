@@ -2,7 +2,9 @@
 // vLLM 0.32's "skinny GEMMs" for a handful of activation rows, on ROCm only (wvSplitK in csrc/rocm/skinny_gemms.cu,
 // chosen by rocm_unquantized_gemm_impl when VLLM_ROCM_USE_SKINNY_GEMM is set:
 // https://github.com/vllm-project/vllm/blob/v0.32.0/vllm/model_executor/layers/utils.py#L288); vLLM's CPU build
-// calls oneDNN for every row count instead (dispatch_cpu_unquantized_gemm, same file, L470).
+// calls oneDNN for every row count instead (dispatch_cpu_unquantized_gemm, same file, L470), for SmolLM2's layers
+// on this project's machines: its other paths there are zentorch's linear, where that package is installed, and
+// SGL's packed kernel for small weights on CPUs with AMX.
 //
 // Where packed_gemm is built (AVX2 and FMA) one row goes to its panels instead, which stream the weight as fast and
 // let the [out, in] weight be freed (minivllm/model/packed_linear.py, Linear.remove_weight); this kernel serves one
@@ -22,7 +24,6 @@
 #include "ops.h"
 
 #include <algorithm>
-#include <type_traits>
 
 #include <ATen/Parallel.h>
 #include <c10/util/Exception.h>
@@ -58,7 +59,7 @@ inline float row_dot(const float* __restrict w, const float* __restrict x, int64
 // With AVX512-BF16 each instruction multiplies 32 pairs and adds them pairwise into 16 float32 sums (vdpbf16ps, as
 // the bfloat16 decode attention's scores); elsewhere the values are widened to float32 and summed as row_dot does.
 inline float row_dot(const uint16_t* __restrict w, const uint16_t* __restrict x, int64_t k) {
-#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
   __m512 a[kAcc];
   for (int64_t q = 0; q < kAcc; ++q) a[q] = _mm512_setzero_ps();
   auto pairs = [](const uint16_t* p) { return (__m512bh)_mm512_loadu_si512(p); };

@@ -170,7 +170,7 @@ def test_bfloat16_batch1_rows_take_skinny_gemm(monkeypatch, count_kernel_calls, 
 
 
 @pytest.mark.skipif(not onednn_bf16_available(), reason="no native bfloat16 matmuls (AVX512-BF16) on this CPU")
-def test_smollm2_bfloat16_batch1_tokens_as_with_onednn(monkeypatch):
+def test_smollm2_bfloat16_batch1_tokens_as_with_onednn(monkeypatch, count_kernel_calls):
     """The real model in bfloat16, one request at a time: the same greedy tokens with ``skinny_gemm`` as with
     oneDNN's one-row matmul on the packed weights (what ran before the kernel took one bfloat16 row)."""
     monkeypatch.setenv("MINIVLLM_CPU_KERNELS", "1")
@@ -179,12 +179,16 @@ def test_smollm2_bfloat16_batch1_tokens_as_with_onednn(monkeypatch):
     prompts = ["The capital of France is", "def fibonacci(n):", "Paged attention stores the KV cache in"]
     sp = SamplingParams(temperature=0, max_tokens=24)
     llm = LLM(dtype="bfloat16")
-    _, packed = _one_row_layers(llm)
+    eng, packed = _one_row_layers(llm)
     assert packed and all(p.bf16_row for p in packed)
+    calls = count_kernel_calls(["skinny_gemm"])
     ours = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    layers = eng.hf_config.num_hidden_layers
+    assert calls["skinny_gemm"] == sum((4 * layers + 1) * (len(t) - 1) + 1 for t in ours)
     for p in packed:
         p.set_kernels(False)
     onednn = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p in prompts]
+    assert calls["skinny_gemm"] == sum((4 * layers + 1) * (len(t) - 1) + 1 for t in ours)  # none more
     assert ours == onednn
 
 
@@ -316,7 +320,7 @@ def test_silu_and_mul(dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("n_out, k", [(960, 576), (49152, 576), (576, 1536), (7, 19), (1003, 577), (4, 16), (1, 5),
-                                      (65, 45), (3, 160), (2, 63)])
+                                      (65, 45), (3, 160), (2, 63), (3, 0)])
 def test_skinny_gemm_equals_linear(n_out, k, threads, dtype):
     """The batch-1 linear kernel against ``F.linear`` in float32 on the same values: other summation order, so
     equal to float32 rounding (relative 1e-5 of the row's magnitude), with tails after the wide loop (four
