@@ -179,8 +179,9 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when
         ``usable`` (float32: ``packed_gemm`` where it is built, one row included), the batch-1 kernel when
-        ``skinny``, else ``F.linear``."""
-        if self.skinny(x, weight):
+        ``skinny``, else ``F.linear``. A bfloat16 layer with a bias stays off the batch-1 kernel: its result would
+        be rounded to bfloat16 twice, before and after the bias, where oneDNN adds the bias to the float32 sum."""
+        if self.skinny(x, weight) and (bias is None or x.dtype == torch.float32):
             out = custom_ops.skinny_gemm(x.contiguous(), weight)  # no autograd here (skinny): no detach needed
             return out if bias is None else out.add_(bias)
         if not self.usable(x, weight):

@@ -169,6 +169,25 @@ def test_bfloat16_batch1_rows_take_skinny_gemm(monkeypatch, count_kernel_calls, 
     assert calls["skinny_gemm"] == ((4 * layers + 1) * 4 + 1 if kernels == "1" else 0)
 
 
+def test_a_bfloat16_row_with_a_bias_is_rounded_once(count_kernel_calls):
+    """One bfloat16 row of a layer with a bias does not take ``skinny_gemm`` (which rounds before the bias is
+    added): the result is ``F.linear``'s float32 sum plus the bias, rounded once; without the bias it does."""
+    calls = count_kernel_calls(["skinny_gemm"])
+    g = torch.Generator().manual_seed(11)
+    w, x, b = (torch.randn(64, 96, generator=g).bfloat16(), torch.randn(1, 96, generator=g).bfloat16(),
+               torch.randn(64, generator=g).bfloat16())
+    pw = PackedWeight()
+    pw.set_kernels(True)
+    with torch.no_grad():
+        got = pw.linear(x, w, b)
+        assert calls["skinny_gemm"] == 0
+        pw.linear(x, w)
+        assert calls["skinny_gemm"] == 1
+    ref = (F.linear(x.float(), w.float()) + b.float())
+    scale = (w.float().abs() @ x.float().abs().T).T + b.float().abs()
+    assert ((got.float() - ref).abs() <= 1e-5 * scale + 2 ** -8 * ref.abs() + 1e-6).all()
+
+
 @pytest.mark.skipif(not onednn_bf16_available(), reason="no native bfloat16 matmuls (AVX512-BF16) on this CPU")
 def test_smollm2_bfloat16_batch1_tokens_as_with_onednn(monkeypatch, count_kernel_calls):
     """The real model in bfloat16, one request at a time: the same greedy tokens with ``skinny_gemm`` as with
