@@ -9,9 +9,9 @@
 // Where packed_gemm is built (AVX2 and FMA) one row goes to its panels instead, which stream the weight as fast and
 // let the [out, in] weight be freed (minivllm/model/packed_linear.py, Linear.remove_weight); this kernel serves one
 // row where packed_gemm is not built, or packing is switched off (MINIVLLM_ONEDNN_PACKING=0). In bfloat16 it takes
-// every row of one (minivllm/model/packed_linear.py, PackedWeight.set_kernels): oneDNN's bfloat16 matmul on the packed
-// weight read SmolLM2's weights with one row at about 21 GB/s on two Zen 4 cores, this loop at 32-34, the machine's
-// copy bandwidth (OPTIMISATIONS.md, "bfloat16 at batch 1").
+// every one-row product (minivllm/model/packed_linear.py, PackedWeight.set_kernels): oneDNN's bfloat16 matmul on the
+// packed weight read SmolLM2's weights with one row at about 21 GB/s on two Zen 4 cores, this loop at 32-34, the
+// machine's copy bandwidth (OPTIMISATIONS.md, "bfloat16 at batch 1").
 //
 // At batch 1 a decode step is a chain of matrix-vector products whose time is reading the weights from memory.
 // MKL's sgemm with one row read them at about 12 GB/s with one thread or two, where the machine copies at 30
