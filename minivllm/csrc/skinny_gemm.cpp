@@ -35,29 +35,34 @@ namespace {
 // on memory, not on arithmetic.
 using vfloat8 = Lanes<8>::f;
 
-inline vfloat8 load8(const float* p) { return loadn<F32, 8>(p); }
-
 constexpr int64_t kRows = 4;  // output rows per work item of parallel_for
 constexpr int64_t kAcc = 4;   // independent accumulators per row, so that the adds do not wait on each other
 
-// y = w . x for one row of k values, read front to back.
-inline float row_dot(const float* __restrict w, const float* __restrict x, int64_t k) {
+// y = w . x for one row of k values (float32, or bfloat16 widened to float32), read front to back, summed in
+// float32.
+template <typename S>
+inline float row_dot_lanes(const typename S::storage* __restrict w, const typename S::storage* __restrict x,
+                           int64_t k) {
   vfloat8 a[kAcc];
   for (int64_t q = 0; q < kAcc; ++q) a[q] = vfloat8{};
   int64_t i = 0;
   for (; i + 8 * kAcc <= k; i += 8 * kAcc)
-    for (int64_t q = 0; q < kAcc; ++q) a[q] += load8(w + i + 8 * q) * load8(x + i + 8 * q);
-  for (; i + 8 <= k; i += 8) a[0] += load8(w + i) * load8(x + i);
+    for (int64_t q = 0; q < kAcc; ++q) a[q] += loadn<S, 8>(w + i + 8 * q) * loadn<S, 8>(x + i + 8 * q);
+  for (; i + 8 <= k; i += 8) a[0] += loadn<S, 8>(w + i) * loadn<S, 8>(x + i);
   static_assert(kAcc == 4, "the sum below adds four accumulators");
   const vfloat8 s = (a[0] + a[1]) + (a[2] + a[3]);
   float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; i < k; ++i) sum += w[i] * x[i];
+  for (; i < k; ++i) sum += S::load(w[i]) * S::load(x[i]);
   return sum;
 }
 
-// The same for bfloat16 weights and activations: products summed in float32, the result rounded to bfloat16 once.
-// With AVX512-BF16 each instruction multiplies 32 pairs and adds them pairwise into 16 float32 sums (vdpbf16ps, as
-// the bfloat16 decode attention's scores); elsewhere the values are widened to float32 and summed as row_dot does.
+inline float row_dot(const float* __restrict w, const float* __restrict x, int64_t k) {
+  return row_dot_lanes<F32>(w, x, k);
+}
+
+// bfloat16 weights and activations: products summed in float32, the result rounded to bfloat16 once (by the
+// caller). With AVX512-BF16 each instruction multiplies 32 pairs and adds them pairwise into 16 float32 sums
+// (vdpbf16ps, as the bfloat16 decode attention's scores); elsewhere row_dot_lanes widens them to float32.
 inline float row_dot(const uint16_t* __restrict w, const uint16_t* __restrict x, int64_t k) {
 #if defined(__AVX512BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
   __m512 a[kAcc];
@@ -75,16 +80,7 @@ inline float row_dot(const uint16_t* __restrict w, const uint16_t* __restrict x,
   static_assert(kAcc == 4, "the sum below adds four accumulators");
   return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a[0], a[1]), _mm512_add_ps(a[2], a[3])));
 #else
-  vfloat8 a[kAcc];
-  for (int64_t q = 0; q < kAcc; ++q) a[q] = vfloat8{};
-  int64_t i = 0;
-  for (; i + 8 * kAcc <= k; i += 8 * kAcc)
-    for (int64_t q = 0; q < kAcc; ++q) a[q] += loadn<BF16, 8>(w + i + 8 * q) * loadn<BF16, 8>(x + i + 8 * q);
-  for (; i + 8 <= k; i += 8) a[0] += loadn<BF16, 8>(w + i) * loadn<BF16, 8>(x + i);
-  const vfloat8 s = (a[0] + a[1]) + (a[2] + a[3]);
-  float sum = ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
-  for (; i < k; ++i) sum += BF16::load(w[i]) * BF16::load(x[i]);
-  return sum;
+  return row_dot_lanes<BF16>(w, x, k);
 #endif
 }
 

@@ -131,18 +131,19 @@ class PackedWeight:
             return x.shape[0] >= 1
         return x.shape[0] in FP32_PACKED_TOKENS and torch.backends.mkldnn.is_available()
 
-    def skinny(self, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    def skinny(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> bool:
         """Whether ``linear`` takes the batch-1 kernel (``custom_ops.skinny_gemm``): one row on the CPU, no
         autograd, the weight contiguous and of ``x``'s dtype, and either float32 with ``set_float32`` on and no
         packed panels for it (module doc: ``packed_gemm`` takes one row where it is built, or packing is switched
-        off), or bfloat16 with ``set_kernels`` on. It reads the weight as it is, not a packed copy, so ``ENABLED``
-        and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the kernels' switches (``MINIVLLM_CPU_KERNELS_FP32``,
-        ``MINIVLLM_CPU_KERNELS``) do."""
+        off), or bfloat16 with ``set_kernels`` on and no ``bias`` (the kernel rounds to bfloat16 before a bias
+        would be added, where oneDNN adds it to the float32 sum). It reads the weight as it is, not a packed copy,
+        so ``ENABLED`` and ``MINIVLLM_ONEDNN_PACKING`` do not turn it off: the kernels' switches
+        (``MINIVLLM_CPU_KERNELS_FP32``, ``MINIVLLM_CPU_KERNELS``) do."""
         if not (x.dim() == 2 and x.shape[0] == 1 and x.device.type == "cpu" and weight.dtype == x.dtype
                 and weight.is_contiguous() and not torch.is_grad_enabled()):
             return False
         if x.dtype == torch.bfloat16:
-            return self.bf16_row
+            return self.bf16_row and bias is None
         return self.float32 and x.dtype == torch.float32 and not self.usable(x, weight)
 
     def panels_usable(self, x: torch.Tensor) -> bool:
@@ -179,9 +180,8 @@ class PackedWeight:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``x @ weight.T + bias``: ``x [N, in]``, ``weight [out, in]`` -> ``[N, out]``; the packed path when
         ``usable`` (float32: ``packed_gemm`` where it is built, one row included), the batch-1 kernel when
-        ``skinny``, else ``F.linear``. A bfloat16 layer with a bias stays off the batch-1 kernel: its result would
-        be rounded to bfloat16 twice, before and after the bias, where oneDNN adds the bias to the float32 sum."""
-        if self.skinny(x, weight) and (bias is None or x.dtype == torch.float32):
+        ``skinny``, else ``F.linear``."""
+        if self.skinny(x, weight, bias):
             out = custom_ops.skinny_gemm(x.contiguous(), weight)  # no autograd here (skinny): no detach needed
             return out if bias is None else out.add_(bias)
         if not self.usable(x, weight):
