@@ -43,13 +43,16 @@ using reg::Vec;
 constexpr int NR = 2 * L;               // output columns per panel: two registers
 constexpr int MR = L == 16 ? 12 : 6;    // activation rows per register tile
 
-// y[r][0 .. ncols-1] = sum_k x[r][k] * panel[k][.] for the R <= MR rows of one tile.
+// y[r][0 .. ncols-1] = sum_k x[r][k] * panel[k][.] for the R <= MR rows of one tile; with `next`, also asks for
+// the next panel's lines, one per k, into the L2 cache (prefetch_next_panel).
 template <int R>
-inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t ncols) {
+inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy, int64_t ncols,
+                 const float* next) {
   Vec acc[R][2];
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = reg::zero();
   for (int64_t k = 0; k < K; ++k) {
+    if (next) __builtin_prefetch(next + k * NR, 0, 2);  // one 64-byte line per k: NR = 16 floats (AVX2 only)
     const Vec b0 = reg::load(panel + k * NR), b1 = reg::load(panel + k * NR + L);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -96,11 +99,23 @@ inline void row_by_two_panels(const float* x, const float* panel, int64_t K, flo
   reg::store(y + NR + L, acc[1][1]);
 }
 
+// Whether the first tile of a panel asks for the next panel ahead (tile's `next`): in the AVX2 build only, and only
+// where more tiles follow on the same panel. The first tile reads the panel from memory; the others read it from
+// the cache. An AVX2 tile makes 12 multiply-adds per 64-byte line (16 registers: 6 rows by 2 x 8 lanes), about 6
+// cycles, so its reads outrun what the hardware prefetcher brings and it waits on memory, where an AVX-512 tile (24
+// on 128 bytes, about 24 cycles double-pumped on Zen 4) does not. Asked for one panel ahead, the line has arrived
+// by the time the next panel's first tile reads it, while the later tiles compute. On a 2-core Zen 4 built for AVX2
+// (SmolLM2's 30 layers and LM head, random weights on huge pages; medians of three alternating runs), 8-32 rows took
+// 0.79-0.93x the time at one thread and 0.75-0.91x at two. A single tile (up to 6 rows) gained nothing at 4 rows
+// and lost at 2 (1.2x); the AVX-512 build lost with it at 2-32 rows (1.04-1.27x). Source:
+// minivllm/bench/OPTIMISATIONS.md, "The AVX2 build asks for the next panel ahead".
+constexpr bool prefetch_next_panel(int64_t tile, int64_t tiles) { return L == 8 && tile == 0 && tiles > 1; }
+
 // tile<rows> for a height known at run time, 1 <= rows <= MR.
 template <int... R>
 inline void tile_of(int rows, const float* x, int64_t ldx, const float* panel, int64_t K, float* y, int64_t ldy,
-                    int64_t ncols, std::integer_sequence<int, R...>) {
-  ((rows == R + 1 ? tile<R + 1>(x, ldx, panel, K, y, ldy, ncols) : void()), ...);
+                    int64_t ncols, const float* next, std::integer_sequence<int, R...>) {
+  ((rows == R + 1 ? tile<R + 1>(x, ldx, panel, K, y, ldy, ncols, next) : void()), ...);
 }
 
 }  // namespace
@@ -223,6 +238,7 @@ void packed_gemm(at::Tensor& out, const at::Tensor& x, const at::Tensor& packed)
       for (int64_t t = 0, r = 0; t < tiles; ++t) {
         const int rows = int(rows_here / tiles + (t < rows_here % tiles));
         tile_of(rows, xb + r * ldx, ldx, panel, K, y + r * ldy_ + (j - j0) * NR, ldy_, ncols,
+                prefetch_next_panel(t, tiles) && j + 1 < end ? panel + K * NR : nullptr,
                 std::make_integer_sequence<int, MR>{});
         r += rows;
       }

@@ -4,6 +4,8 @@
 These tests check that the switch reaches every layer, changes numbers only in the last bits, and keeps SmolLM2's
 greedy tokens, batched and at batch 1."""
 
+import os
+import subprocess
 import sys
 
 import pytest
@@ -125,6 +127,45 @@ def test_packed_gemm_equals_linear(out_features, in_features, rows):
     ref = x.double() @ w.double().T
     assert out.shape == (rows, out_features)
     torch.testing.assert_close(out.double(), ref, atol=1e-5 * in_features ** 0.5, rtol=1e-6)
+
+
+# Run in a process of its own: a process loads one build of the kernels.
+AVX2_BUILD_CHECK = """
+import torch
+from minivllm import custom_ops
+assert custom_ops.load(), custom_ops.build_error()
+checked = 0
+for threads in (1, 2):
+    torch.set_num_threads(threads)
+    for out_features, in_features in ((200, 64), (33, 7), (12, 1536), (1000, 96)):
+        g = torch.Generator().manual_seed(out_features)
+        w = torch.randn(out_features, in_features, generator=g)
+        packed = custom_ops.pack_gemm_weight(w)
+        assert packed.shape[2] == 16  # panels of 2 x 8 lanes: the AVX2 build, not an AVX-512 machine's own
+        for rows in (*range(1, 41), 300):
+            x = torch.randn(rows, in_features + 3, generator=g)[:, 2 : 2 + in_features]
+            out = custom_ops.packed_gemm(x, packed, out_features)
+            ref = x.double() @ w.double().T
+            torch.testing.assert_close(out.double(), ref, atol=1e-5 * in_features ** 0.5, rtol=1e-6)
+            one = [custom_ops.packed_gemm(x[i : i + 1], packed, out_features) for i in range(min(rows, 7))]
+            assert all(torch.equal(r, out[i : i + 1]) for i, r in enumerate(one))
+            checked += 1
+print("checked", checked)
+"""
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= set(custom_ops._cpu_id().split()), reason="no AVX2 and FMA on this CPU")
+def test_avx2_build_packed_gemm_equals_linear():
+    """The packed GEMM as the AVX2 class runs it (``MINIVLLM_CPU_ISA=avx2``, built here in a process of its own
+    where this machine has AVX-512, so that a suite run on AVX-512 machines still checks that code): tiles of 6 rows,
+    the first tile of a panel asking for the next panel when more tiles follow (``prefetch_next_panel``), rows 1 to
+    40 and 300, last panels of every kind and runs of panels per work item, one and two threads, against a float64
+    product; single rows the same bits as inside the batch."""
+    env = dict(os.environ, MINIVLLM_CPU_ISA="avx2")
+    r = subprocess.run([sys.executable, "-c", AVX2_BUILD_CHECK], env=env, capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.split() == ["checked", str(2 * 4 * 41)]
 
 
 @pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
