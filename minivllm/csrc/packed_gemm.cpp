@@ -52,7 +52,9 @@ inline void tile(const float* x, int64_t ldx, const float* panel, int64_t K, flo
   #pragma GCC unroll 16
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = reg::zero();
   for (int64_t k = 0; k < K; ++k) {
-    if (next) __builtin_prefetch(next + k * NR, 0, 2);  // one 64-byte line per k: NR = 16 floats (AVX2 only)
+    if constexpr (L == 8) {  // the AVX2 build only (prefetch_next_panel): there a k's NR = 16 floats are one line
+      if (next) __builtin_prefetch(next + k * NR, 0, 2);
+    }
     const Vec b0 = reg::load(panel + k * NR), b1 = reg::load(panel + k * NR + L);
     #pragma GCC unroll 16
     for (int r = 0; r < R; ++r) {
@@ -101,15 +103,15 @@ inline void row_by_two_panels(const float* x, const float* panel, int64_t K, flo
 
 // Whether the first tile of a panel asks for the next panel ahead (tile's `next`): in the AVX2 build only, and only
 // where more tiles follow on the same panel. The first tile reads the panel from memory; the others read it from
-// the cache. An AVX2 tile makes 12 multiply-adds per 64-byte line (16 registers: 6 rows by 2 x 8 lanes), about 6
-// cycles, so its reads outrun what the hardware prefetcher brings and it waits on memory, where an AVX-512 tile (24
-// on 128 bytes, about 24 cycles double-pumped on Zen 4) does not. Asked for one panel ahead, the line has arrived
+// the cache. An AVX2 tile makes up to 12 multiply-adds per 64-byte line (12 accumulators of its 16 registers: 6 rows
+// by 2 x 8 lanes), about 6 cycles, so its reads apparently outrun what the hardware prefetcher brings and it waits on
+// memory, where an AVX-512 tile (up to 24 on 128 bytes, about 24 cycles double-pumped on Zen 4) does not. Asked for one panel ahead, the line has arrived
 // by the time the next panel's first tile reads it, while the later tiles compute. On a 2-core Zen 4 built for AVX2
 // (SmolLM2's 30 layers and LM head, random weights on huge pages; medians of three alternating runs), 8-32 rows took
 // 0.79-0.93x the time at one thread and 0.75-0.91x at two. A single tile (up to 6 rows) gained nothing at 4 rows
 // and lost at 2 (1.2x); the AVX-512 build lost with it at 2-32 rows (1.04-1.27x). Source:
 // minivllm/bench/OPTIMISATIONS.md, "The AVX2 build asks for the next panel ahead".
-constexpr bool prefetch_next_panel(int64_t tile, int64_t tiles) { return L == 8 && tile == 0 && tiles > 1; }
+constexpr bool prefetch_next_panel(int64_t t, int64_t tiles) { return L == 8 && t == 0 && tiles > 1; }
 
 // tile<rows> for a height known at run time, 1 <= rows <= MR.
 template <int... R>

@@ -159,13 +159,14 @@ def test_avx2_build_packed_gemm_equals_linear():
     """The packed GEMM as the AVX2 class runs it (``MINIVLLM_CPU_ISA=avx2``, built here in a process of its own
     where this machine has AVX-512, so that a suite run on AVX-512 machines still checks that code): tiles of 6 rows,
     the first tile of a panel asking for the next panel when more tiles follow (``prefetch_next_panel``), rows 1 to
-    40 and 300, last panels of every kind and runs of panels per work item, one and two threads, against a float64
-    product; single rows the same bits as inside the batch."""
+    40 and 300, last panels of 1, 8 and 12 columns, runs of up to 15 panels per work item, one and two threads,
+    against a float64 product; single rows the same bits as inside the batch. A prefetch never changes a result, so
+    where it points is measured (``bench``), not tested here."""
     env = dict(os.environ, MINIVLLM_CPU_ISA="avx2")
     r = subprocess.run([sys.executable, "-c", AVX2_BUILD_CHECK], env=env, capture_output=True, text=True,
-                       timeout=900)
+                       timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert r.stdout.split() == ["checked", str(2 * 4 * 41)]
+    assert r.stdout.split() == ["checked", str(2 * 4 * 41)], r.stderr[-3000:]
 
 
 @pytest.mark.skipif(not custom_ops.packed_gemm_available(), reason="no AVX2 and FMA on this CPU")
