@@ -105,8 +105,9 @@ inline void row_by_two_panels(const float* x, const float* panel, int64_t K, flo
 // where more tiles follow on the same panel. The first tile reads the panel from memory; the others read it from
 // the cache. An AVX2 tile makes up to 12 multiply-adds per 64-byte line (12 accumulators of its 16 registers: 6 rows
 // by 2 x 8 lanes), about 6 cycles, so its reads apparently outrun what the hardware prefetcher brings and it waits on
-// memory, where an AVX-512 tile (up to 24 on 128 bytes, about 24 cycles double-pumped on Zen 4) does not. Asked for one panel ahead, the line has arrived
-// by the time the next panel's first tile reads it, while the later tiles compute. On a 2-core Zen 4 built for AVX2
+// memory, where an AVX-512 tile (up to 24 on 128 bytes, about 24 cycles double-pumped on Zen 4) does not. Asked for
+// one panel ahead, the line has arrived by the time the next panel's first tile reads it, while the later tiles
+// compute. On a 2-core Zen 4 built for AVX2
 // (SmolLM2's 30 layers and LM head, random weights on huge pages; medians of three alternating runs), 8-32 rows took
 // 0.79-0.93x the time at one thread and 0.75-0.91x at two. A single tile (up to 6 rows) gained nothing at 4 rows
 // and lost at 2 (1.2x); the AVX-512 build lost with it at 2-32 rows (1.04-1.27x). Source:
